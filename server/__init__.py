@@ -1,0 +1,1 @@
+"""Serving infrastructure for large language models on vLLM: profiles, engines, gateway."""

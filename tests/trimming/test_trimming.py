@@ -199,7 +199,7 @@ def test_a_tool_result_keeps_its_call_even_when_other_messages_sit_between():
         {"role": "user", "content": "still there?"},
         {"role": "tool", "tool_call_id": "a", "content": "done"},
     ]
-    # Cutting at "still there?" would fit 10 tokens but orphan the result; the call must stay.
-    assert not trim_messages(messages, 10, _count_words).fits
-    result = trim_messages(messages, 11, _count_words)
+    # Cutting at "still there?" would fit 7 tokens but orphan the result; the call must stay.
+    assert not trim_messages(messages, 7, _count_words).fits
+    result = trim_messages(messages, 8, _count_words)
     assert [m["role"] for m in result.messages] == ["system", "assistant", "user", "tool"]

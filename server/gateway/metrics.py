@@ -1,0 +1,195 @@
+"""What the gateway itself measures about requests, exported for Prometheus under `gateway_`.
+
+The gateway calls these methods on the hot path (`inter_token` once per streamed chunk), so each
+model's labelled children are looked up once and cached: a call is a dict lookup plus one
+`observe`/`inc`. Times are seconds measured with `time.perf_counter()` by the caller.
+
+Streaming and non-streaming requests are never mixed: time to first token exists only for
+streaming requests, and `gateway_request_duration_seconds` carries a `stream` label, so a
+non-streaming request's full-response time can never be mistaken for a first-token time.
+
+Every `request_started(model)` must be matched by exactly one `request_finished(model, ...)`,
+otherwise `gateway_requests_in_flight` drifts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Seconds. From a few milliseconds (a small model, a warm prefix cache) to minutes (a long prompt
+# queued behind others on a busy engine); finer where SLOs usually sit (100 ms - 2 s).
+TTFT_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0,
+)  # fmt: skip
+# Seconds between two streamed content chunks: sub-millisecond (chunks the engine batched) to
+# seconds (an engine stalled by preemption or a long prefill of another request).
+ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+# Seconds for a whole request: 50 ms (an error, a tiny completion) to 30 minutes (the gateway's
+# default total timeout).
+DURATION_BUCKETS = (
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0,
+    60.0, 90.0, 120.0, 180.0, 300.0, 600.0, 1200.0, 1800.0,
+)  # fmt: skip
+
+# Model names come from clients. Past this many distinct values, further ones are counted under
+# OTHER_MODEL so that a client cannot grow the label set without bound.
+MAX_MODELS = 64
+OTHER_MODEL = "_other"
+
+
+@dataclass(slots=True)
+class _ModelSeries:
+    """The labelled children of one model, looked up once."""
+
+    label: str  # the model label value (OTHER_MODEL past the cap)
+    ttft: Histogram
+    itl: Histogram
+    duration_stream: Histogram
+    duration_plain: Histogram
+    in_flight: Gauge
+    prompt_tokens: Counter
+    completion_tokens: Counter
+    trimmed_messages: Counter
+    trimmed_tokens: Counter
+    requests: dict[int, Counter]  # by status code, filled on first use
+
+
+class GatewayMetrics:
+    """The gateway's request metrics, on its own registry (a fresh one when none is given)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, *, max_models: int = MAX_MODELS):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._max_models = max_models
+        self._models: dict[str, _ModelSeries] = {}
+        reg = self.registry
+        self._ttft = Histogram(
+            "gateway_time_to_first_token_seconds",
+            "Streaming requests only: from the request's arrival at the gateway to the first "
+            "content token leaving it.",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        )
+        self._itl = Histogram(
+            "gateway_inter_token_latency_seconds",
+            "Streaming requests only: time between two consecutive content chunks sent to the "
+            "client.",
+            ["model"],
+            buckets=ITL_BUCKETS,
+            registry=reg,
+        )
+        self._duration = Histogram(
+            "gateway_request_duration_seconds",
+            "From the request's arrival to the end of its response (last byte of a stream, or "
+            "the whole body); stream=\"false\" is the full-response time of non-streaming "
+            "requests.",
+            ["model", "stream"],
+            buckets=DURATION_BUCKETS,
+            registry=reg,
+        )
+        self._requests = Counter(
+            "gateway_requests",
+            "Requests answered, by model and HTTP status code.",
+            ["model", "code"],
+            registry=reg,
+        )
+        self._in_flight = Gauge(
+            "gateway_requests_in_flight",
+            "Requests received and not yet finished.",
+            ["model"],
+            registry=reg,
+        )
+        self._prompt_tokens = Counter(
+            "gateway_prompt_tokens",
+            "Prompt tokens reported in the engines' usage.",
+            ["model"],
+            registry=reg,
+        )
+        self._completion_tokens = Counter(
+            "gateway_completion_tokens",
+            "Completion tokens reported in the engines' usage.",
+            ["model"],
+            registry=reg,
+        )
+        self._trimmed_messages = Counter(
+            "gateway_trimmed_messages",
+            "Chat messages dropped by history trimming to fit the model's context.",
+            ["model"],
+            registry=reg,
+        )
+        self._trimmed_tokens = Counter(
+            "gateway_trimmed_tokens",
+            "Prompt tokens removed by history trimming.",
+            ["model"],
+            registry=reg,
+        )
+
+    def _series(self, model: str) -> _ModelSeries:
+        series = self._models.get(model)
+        if series is not None:
+            return series
+        if len(self._models) >= self._max_models:
+            model = OTHER_MODEL
+            series = self._models.get(model)
+            if series is not None:
+                return series
+        series = _ModelSeries(
+            label=model,
+            ttft=self._ttft.labels(model),
+            itl=self._itl.labels(model),
+            duration_stream=self._duration.labels(model, "true"),
+            duration_plain=self._duration.labels(model, "false"),
+            in_flight=self._in_flight.labels(model),
+            prompt_tokens=self._prompt_tokens.labels(model),
+            completion_tokens=self._completion_tokens.labels(model),
+            trimmed_messages=self._trimmed_messages.labels(model),
+            trimmed_tokens=self._trimmed_tokens.labels(model),
+            requests={},
+        )
+        self._models[model] = series
+        return series
+
+    def request_started(self, model: str) -> None:
+        """A request for `model` arrived (after its model is known)."""
+        self._series(model).in_flight.inc()
+
+    def request_finished(self, model: str, code: int, duration_s: float, streamed: bool) -> None:
+        """A request ended with HTTP status `code` after `duration_s` seconds."""
+        series = self._series(model)
+        series.in_flight.dec()
+        counter = series.requests.get(code)
+        if counter is None:
+            counter = series.requests[code] = self._requests.labels(series.label, str(code))
+        counter.inc()
+        (series.duration_stream if streamed else series.duration_plain).observe(duration_s)
+
+    def first_token(self, model: str, seconds: float) -> None:
+        """A streaming request's first content token left the gateway `seconds` after arrival."""
+        self._series(model).ttft.observe(seconds)
+
+    def inter_token(self, model: str, seconds: float) -> None:
+        """`seconds` passed between two content chunks of one stream."""
+        self._series(model).itl.observe(seconds)
+
+    def usage(self, model: str, prompt_tokens: int, completion_tokens: int) -> None:
+        """Token counts from an engine's `usage` object."""
+        series = self._series(model)
+        if prompt_tokens:
+            series.prompt_tokens.inc(prompt_tokens)
+        if completion_tokens:
+            series.completion_tokens.inc(completion_tokens)
+
+    def trimmed(self, model: str, messages: int, tokens: int) -> None:
+        """History trimming dropped `messages` messages worth `tokens` prompt tokens."""
+        series = self._series(model)
+        if messages:
+            series.trimmed_messages.inc(messages)
+        if tokens:
+            series.trimmed_tokens.inc(tokens)
+

@@ -11,7 +11,7 @@ CONFIG ?= configs/gateway.yaml
 PROFILE ?= configs/profiles/tiny-cpu.yaml
 PYTEST_ARGS ?=
 
-.PHONY: help install run engine tiny-model test test-fast bench loadtest up down compose prometheus clean
+.PHONY: help install run engine tiny-model test test-fast bench loadtest up down up-cpu down-cpu compose compose-cpu prometheus clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -57,14 +57,24 @@ bench: install ## Gateway vs direct vs vllm-router on a stand-in engine; writes 
 loadtest: install ## Run the itinerary scenario against `make run`'s gateway
 	$(BIN)/python -m loadtest --url http://127.0.0.1:8000 --model tiny --scenario itinerary --output loadtest/out
 
-compose: install ## Regenerate docker/compose.yaml from $(CONFIG)
-	$(BIN)/python -m server compose --config $(CONFIG) --output docker/compose.yaml
+compose: install ## Regenerate docker/compose.yaml + prometheus.yml from configs/gateway.gpu.yaml
+	$(BIN)/python -m server compose --config configs/gateway.gpu.yaml --output docker/compose.yaml
 
-up: ## docker compose up on a GPU host
-	docker compose -f docker/compose.yaml up -d
+compose-cpu: install ## Regenerate docker/compose.cpu.yaml + prometheus.cpu.yml from configs/gateway.yaml
+	$(BIN)/python -m server compose --config configs/gateway.yaml --output docker/compose.cpu.yaml
+
+# `down` reads the whole compose file, whose Grafana password has no default: any value will do.
+up: ## docker compose up on a GPU host (needs GRAFANA_ADMIN_PASSWORD; HF_TOKEN for gated models)
+	docker compose -f docker/compose.yaml up -d --build
 
 down: ## docker compose down
-	docker compose -f docker/compose.yaml down
+	GRAFANA_ADMIN_PASSWORD=$${GRAFANA_ADMIN_PASSWORD:-unused} docker compose -f docker/compose.yaml down
+
+up-cpu: ## docker compose up of the CPU variant (tiny model, no GPU; needs GRAFANA_ADMIN_PASSWORD)
+	docker compose -f docker/compose.cpu.yaml up -d --build
+
+down-cpu: ## docker compose down of the CPU variant
+	GRAFANA_ADMIN_PASSWORD=$${GRAFANA_ADMIN_PASSWORD:-unused} docker compose -f docker/compose.cpu.yaml down
 
 clean: ## Remove the venv and caches
 	rm -rf $(VENV) .cache .pytest_cache .hypothesis

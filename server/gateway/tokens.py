@@ -1,0 +1,182 @@
+"""Exact prompt token counts from the engine's own tokenizer and chat template, cached per message.
+
+The engine is asked through an injected `tokenize(messages, add_generation_prompt) -> int`
+(vLLM's ``/tokenize`` with ``messages``); this module does no HTTP itself.
+
+How a count is made cheap. A rendered chat template is, for most templates, a fixed per-call part
+(a BOS token, a default system block), then one block per message, then the generation prompt.
+So once per model the counter *calibrates*: it tokenizes a few probe conversations and measures
+
+- ``per_call``: tokens every tokenize call adds once (``c([a]) + c([b]) - c([a, b])``),
+- ``generation_prompt``: what ``add_generation_prompt`` adds,
+- ``trusted``: whether the per-message counts of a three-message probe add up to at least its
+  whole count (an over-estimate only trims a little early; a short one could overflow).
+
+Each message is then tokenized alone, once: its net count ``c([m]) - per_call`` is cached under
+a hash of the message's canonical JSON (bounded LRU), so a conversation that grows by one message
+costs one small tokenize call. The estimate of a whole prompt is ``per_call + sum(net) +
+generation_prompt``.
+
+Templates where the sum is not exact (messages rendered differently in context, roles merged;
+vLLM itself folds `developer` messages into the leading system message) are caught by
+verification: when an estimate comes close to the budget the caller asks for one exact count of
+the final list with `count_exact`, which records how far off the estimate was. Once an estimate
+has been found *short*, the model is no longer trusted and "close" becomes a wide margin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Message = dict[str, Any]
+Tokenize = Callable[[list[Message], bool], Awaitable[int]]
+
+# Probe conversation for calibration: ordinary, template-friendly messages.
+_PROBES: tuple[Message, ...] = (
+    {"role": "system", "content": "You are a careful assistant."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "Paris."},
+)
+
+
+@dataclass
+class Calibration:
+    """What one model's chat template adds around the messages, as measured."""
+
+    per_call: int
+    generation_prompt: int
+    # No estimate has been found short of the exact count (probe included).
+    trusted: bool
+    # Largest shortfall (exact - estimate > 0) and excess (estimate - exact) seen by count_exact.
+    max_short: int = 0
+    max_over: int = 0
+    verifications: int = 0
+
+
+@dataclass(frozen=True)
+class PromptCount:
+    """The estimated token count of one prompt: per message, plus a fixed overhead."""
+
+    per_message: list[int]
+    overhead: int
+
+    @property
+    def total(self) -> int:
+        return self.overhead + sum(self.per_message)
+
+
+def message_key(message: Message) -> bytes:
+    """A content hash of the message's canonical JSON (key order and spacing do not matter)."""
+    canonical = json.dumps(message, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.blake2b(canonical.encode(), digest_size=16).digest()
+
+
+class TokenCounter:
+    """Counts chat prompts in the tokens of each model's own template, remembering each message.
+
+    One counter serves all models (keys include the model name). `max_entries` bounds the cache;
+    `concurrency` bounds the tokenize calls made at once for one request's unseen messages;
+    `verify_margin` is how close to the budget an estimate may come before it is verified.
+    """
+
+    def __init__(self, *, max_entries: int = 100_000, concurrency: int = 8, verify_margin: int = 8):
+        if max_entries < 1 or concurrency < 1 or verify_margin < 0:
+            raise ValueError("max_entries and concurrency must be >= 1, verify_margin >= 0")
+        self.max_entries = max_entries
+        self.concurrency = concurrency
+        self.verify_margin = verify_margin
+        self._cache: OrderedDict[tuple[str, bytes], int] = OrderedDict()
+        self._calibrations: dict[str, Calibration] = {}
+
+    def calibration(self, model: str) -> Calibration | None:
+        return self._calibrations.get(model)
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    async def count(
+        self, model: str, tokenize: Tokenize, messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+    ) -> PromptCount:
+        """Estimate the prompt of `messages`; only messages not seen before are tokenized."""
+        calibration = await self._calibrate(model, tokenize)
+        keys = [(model, message_key(m)) for m in messages]
+        missing: dict[tuple[str, bytes], Message] = {}
+        for key, message in zip(keys, messages, strict=True):
+            if key in self._cache:
+                self._cache.move_to_end(key)
+            else:
+                missing.setdefault(key, message)
+        fresh: dict[tuple[str, bytes], int] = {}
+        pending = list(missing.items())
+        for start in range(0, len(pending), self.concurrency):
+            batch = pending[start:start + self.concurrency]
+            counts = await asyncio.gather(*(tokenize([m], False) for _, m in batch))
+            for (key, _), raw in zip(batch, counts, strict=True):
+                fresh[key] = max(0, raw - calibration.per_call)
+        per_message = []
+        for key in keys:
+            value = fresh[key] if key in fresh else self._cache[key]
+            per_message.append(value)
+        for key, value in fresh.items():
+            self._remember(key, value)
+        overhead = calibration.per_call + (calibration.generation_prompt if add_generation_prompt else 0)
+        return PromptCount(per_message=per_message, overhead=overhead)
+
+    def needs_verification(self, model: str, estimate: int, budget: int) -> bool:
+        """Whether an estimate is close enough to the budget that only an exact count will do."""
+        calibration = self._calibrations.get(model)
+        if calibration is None:
+            return True
+        if calibration.trusted:
+            slack = self.verify_margin
+        else:
+            slack = max(4 * self.verify_margin, 4 * calibration.max_short, budget // 4)
+        return estimate > budget - slack
+
+    async def count_exact(
+        self, model: str, tokenize: Tokenize, messages: Sequence[Message],
+        add_generation_prompt: bool, estimate: int | None = None,
+    ) -> int:
+        """One tokenize call of the whole prompt; learns how far `estimate` was off."""
+        exact = await tokenize(list(messages), add_generation_prompt)
+        calibration = self._calibrations.get(model)
+        if calibration is not None and estimate is not None:
+            calibration.verifications += 1
+            if exact > estimate:
+                calibration.max_short = max(calibration.max_short, exact - estimate)
+                calibration.trusted = False
+            else:
+                calibration.max_over = max(calibration.max_over, estimate - exact)
+        return exact
+
+    async def _calibrate(self, model: str, tokenize: Tokenize) -> Calibration:
+        known = self._calibrations.get(model)
+        if known is not None:
+            return known
+        a, b, c = _PROBES
+        ca, cb, cc, cab, cabc, cabc_gen = await asyncio.gather(
+            tokenize([a], False), tokenize([b], False), tokenize([c], False),
+            tokenize([a, b], False), tokenize([a, b, c], False), tokenize([a, b, c], True),
+        )
+        per_call = max(0, ca + cb - cab)
+        estimate = ca + cb + cc - 2 * per_call
+        calibration = Calibration(
+            per_call=per_call, generation_prompt=max(0, cabc_gen - cabc),
+            trusted=cabc <= estimate and ca + cb - cab >= 0,
+            max_short=max(0, cabc - estimate),
+        )
+        self._calibrations[model] = calibration
+        return calibration
+
+    def _remember(self, key: tuple[str, bytes], value: int) -> None:
+        self._cache[key] = value
+        self._cache.move_to_end(key)
+        while len(self._cache) > self.max_entries:
+            self._cache.popitem(last=False)

@@ -1,0 +1,178 @@
+"""The token counter: calibration, one tokenize call per new message, a bounded cache, verification.
+
+The tokenizers here are small chat-template renderers written out in full, so the exact count of
+any list is known; the claim under test is about how many calls the counter makes and how its
+estimate relates to the exact count, not about vLLM (test_engine_e2e.py covers the real one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from server.gateway.tokens import TokenCounter, message_key
+from tests.trimming.conversations import conversations
+
+
+class Template:
+    """A chat template: optional BOS per call, one block per message, a generation prompt.
+
+    With `merge_consecutive`, consecutive messages of one role share a block (like templates that
+    merge roles), so per-message counts do not add up.
+    """
+
+    def __init__(self, *, bos: int = 0, merge_consecutive: bool = False):
+        self.bos = bos
+        self.merge_consecutive = merge_consecutive
+        self.calls: list[list[dict]] = []
+
+    def exact(self, messages: list[dict], add_generation_prompt: bool) -> int:
+        total = self.bos + (2 if add_generation_prompt else 0)
+        previous = None
+        for message in messages:
+            if not (self.merge_consecutive and message["role"] == previous):
+                total += 3  # block header and footer
+            total += len(str(message.get("content") or "").split()) + 2 * len(message.get("tool_calls") or [])
+            previous = message["role"]
+        return total
+
+    async def tokenize(self, messages: list[dict], add_generation_prompt: bool) -> int:
+        self.calls.append(messages)
+        return self.exact(messages, add_generation_prompt)
+
+
+def _turn(i: int) -> dict:
+    role = "user" if i % 2 == 0 else "assistant"
+    return {"role": role, "content": f"message number {i} " + "word " * (i % 7)}
+
+
+async def test_a_growing_conversation_costs_one_call_per_new_message():
+    template = Template()
+    counter = TokenCounter()
+    history = [{"role": "system", "content": "be brief"}]
+    calls_per_turn = []
+    for i in range(12):
+        history.append(_turn(i))
+        before = len(template.calls)
+        count = await counter.count("m", template.tokenize, history)
+        calls_per_turn.append(len(template.calls) - before)
+        assert count.total == template.exact(history, True)
+    # First turn: calibration (6 probe calls) plus the two messages; then one call per turn.
+    assert calls_per_turn[0] == 6 + 2
+    assert calls_per_turn[1:] == [1] * 11
+    assert all(len(call) == 1 for call in template.calls[8:])
+
+
+async def test_identical_messages_are_counted_once_and_key_order_does_not_matter():
+    template = Template()
+    counter = TokenCounter()
+    a = {"role": "user", "content": "same words"}
+    b = {"content": "same words", "role": "user"}
+    await counter.count("m", template.tokenize, [a])
+    before = len(template.calls)
+    count = await counter.count("m", template.tokenize, [a, b, dict(a)])
+    assert len(template.calls) == before
+    assert message_key(a) == message_key(b)
+    assert count.per_message == [5, 5, 5]
+
+
+async def test_models_have_separate_counts_and_calibrations():
+    small, big = Template(), Template(bos=1)
+    counter = TokenCounter()
+    message = {"role": "user", "content": "hello there"}
+    first = await counter.count("small", small.tokenize, [message])
+    second = await counter.count("big", big.tokenize, [message])
+    assert first.total == small.exact([message], True)
+    assert second.total == big.exact([message], True)
+    assert counter.calibration("big").per_call == 1
+    assert counter.calibration("small").per_call == 0
+
+
+async def test_the_cache_is_bounded_and_forgets_the_least_recently_used():
+    template = Template()
+    counter = TokenCounter(max_entries=3)
+    messages = [{"role": "user", "content": f"m{i}"} for i in range(4)]
+    await counter.count("m", template.tokenize, messages[:3])
+    await counter.count("m", template.tokenize, [messages[0]])  # m0 is now the most recent
+    await counter.count("m", template.tokenize, [messages[3]])  # evicts m1
+    assert len(counter) == 3
+    before = len(template.calls)
+    await counter.count("m", template.tokenize, [messages[0], messages[2], messages[3]])
+    assert len(template.calls) == before
+    await counter.count("m", template.tokenize, [messages[1]])
+    assert len(template.calls) == before + 1
+
+
+async def test_many_new_messages_are_counted_in_bounded_batches():
+    in_flight = 0
+    peak = 0
+    template = Template()
+
+    async def tokenize(messages, add_generation_prompt):
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await asyncio.sleep(0)
+        in_flight -= 1
+        return template.exact(messages, add_generation_prompt)
+
+    counter = TokenCounter(concurrency=4)
+    history = [_turn(i) for i in range(40)]
+    count = await counter.count("m", tokenize, history)
+    assert count.total == template.exact(history, True)
+    assert peak <= 6  # 4 per batch; calibration's 6 probes run once, on their own
+
+
+@settings(max_examples=60, deadline=None)
+@given(conversations(), st.integers(min_value=0, max_value=3), st.booleans())
+async def test_estimates_are_exact_for_templates_with_a_per_call_constant(messages, bos, generation_prompt):
+    template = Template(bos=bos)
+    counter = TokenCounter()
+    count = await counter.count("m", template.tokenize, messages, generation_prompt)
+    assert count.total == template.exact(messages, generation_prompt)
+    assert counter.calibration("m").trusted
+
+
+async def test_an_over_estimate_keeps_the_model_trusted():
+    template = Template(merge_consecutive=True)  # merged roles: fewer tokens than the sum
+    counter = TokenCounter()
+    messages = [{"role": "user", "content": "a b"}, {"role": "user", "content": "c d"}]
+    count = await counter.count("m", template.tokenize, messages)
+    exact = await counter.count_exact("m", template.tokenize, messages, True, estimate=count.total)
+    assert exact == template.exact(messages, True) < count.total
+    calibration = counter.calibration("m")
+    assert calibration.trusted and calibration.max_over == count.total - exact
+    assert not counter.needs_verification("m", 900, 1000)
+
+
+class ContextualTemplate(Template):
+    """Renders every message after the first with an extra separator token: sums fall short."""
+
+    def exact(self, messages: list[dict], add_generation_prompt: bool) -> int:
+        return super().exact(messages, add_generation_prompt) + max(0, len(messages) - 1)
+
+
+async def test_a_template_whose_sums_fall_short_is_not_trusted_and_always_verified():
+    template = ContextualTemplate()
+    counter = TokenCounter()
+    messages = [{"role": "user", "content": "a b"}, {"role": "assistant", "content": "c d"}]
+    count = await counter.count("m", template.tokenize, messages)
+    # The probe already shows it: three messages render longer than their parts.
+    calibration = counter.calibration("m")
+    assert not calibration.trusted and calibration.max_short > 0
+    exact = await counter.count_exact("m", template.tokenize, messages, True, estimate=count.total)
+    assert exact > count.total
+    assert counter.needs_verification("m", 800, 1000)
+    assert not counter.needs_verification("m", 10, 1000)
+
+
+async def test_verification_is_asked_for_only_near_the_budget_when_counts_add_up():
+    template = Template()
+    counter = TokenCounter(verify_margin=8)
+    await counter.count("m", template.tokenize, [{"role": "user", "content": "x"}])
+    assert not counter.needs_verification("m", 100, 200)
+    assert not counter.needs_verification("m", 192, 200)
+    assert counter.needs_verification("m", 193, 200)
+    assert counter.needs_verification("unknown model", 1, 200)

@@ -1,0 +1,41 @@
+"""What the deployment tests share: the repository's paths and the deployments it ships."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKER = ROOT / "docker"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One committed deployment: the gateway config it is rendered from and its files."""
+
+    name: str
+    config: Path
+    compose: Path
+    prometheus: Path
+
+    def compose_data(self) -> dict:
+        return yaml.safe_load(self.compose.read_text())
+
+    def prometheus_data(self) -> dict:
+        return yaml.safe_load(self.prometheus.read_text())
+
+
+VARIANTS = [
+    Variant("gpu", ROOT / "configs/gateway.gpu.yaml", DOCKER / "compose.yaml",
+            DOCKER / "prometheus.yml"),
+    Variant("cpu", ROOT / "configs/gateway.yaml", DOCKER / "compose.cpu.yaml",
+            DOCKER / "prometheus.cpu.yml"),
+]
+
+
+@pytest.fixture(params=VARIANTS, ids=lambda v: v.name)
+def variant(request) -> Variant:
+    return request.param

@@ -1,0 +1,215 @@
+"""The compose files are the profiles' truth: rendered by the one engine renderer, never drifting."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from server import compose
+from server.cli import main as cli_main
+from server.gateway.settings import load_settings
+from server.profiles import load_profile
+from server.render import engine_argv
+
+from .conftest import DOCKER, ROOT, VARIANTS
+
+
+def tiny_model_built_in_cpu_image() -> str:
+    """Where docker/Dockerfile.vllm-cpu builds the tiny model (the CPU engines' model argument)."""
+    text = (DOCKER / "Dockerfile.vllm-cpu").read_text()
+    found = re.findall(r"python -m server tiny-model (\S+)", text)
+    assert len(found) == 1, "Dockerfile.vllm-cpu builds the tiny model once"
+    return found[0]
+
+
+def expected_model_argument(profile) -> str | None:
+    if profile.model_path is None:
+        return None  # a hub id: engine_argv passes it as it is
+    assert profile.build_tiny_model, f"{profile.name}: only the tiny model is a local path here"
+    return tiny_model_built_in_cpu_image()
+
+
+def test_committed_files_equal_a_fresh_rendering(variant, capsys):
+    code = cli_main(["compose", "--config", str(variant.config), "--output", str(variant.compose),
+                     "--check"])
+    assert code == 0, capsys.readouterr().err
+
+
+def test_engine_commands_equal_the_renderer_for_every_profile_and_replica(variant):
+    services = variant.compose_data()["services"]
+    settings = load_settings(variant.config)
+    expected_services = set()
+    for entry in settings.models:
+        profile = load_profile(settings.profile_path(entry))
+        model = entry.name or profile.served_model_name
+        argv = engine_argv(profile, host="0.0.0.0", port=8000, launcher="image",
+                           model=expected_model_argument(profile))
+        for replica in range(profile.replicas):
+            name = f"engine-{re.sub(r'[^a-z0-9]+', '-', model.lower()).strip('-')}-{replica}"
+            expected_services.add(name)
+            service = services[name]
+            assert service["command"] == argv
+            for key, value in profile.env.items():
+                assert service["environment"][key] == value
+            image = compose.VLLM_GPU_IMAGE if profile.device == "gpu" else compose.VLLM_CPU_IMAGE
+            assert service["image"] == image
+    assert {name for name in services if name.startswith("engine-")} == expected_services
+
+
+def test_the_cpu_image_defaults_are_the_tiny_cpu_profile():
+    """`docker run llm-serving/vllm-cpu` without arguments runs what the profile says."""
+    text = (DOCKER / "Dockerfile.vllm-cpu").read_text()
+    profile = load_profile(ROOT / "configs/profiles/tiny-cpu.yaml")
+    cmd = yaml.safe_load(re.search(r"^CMD (\[.*\])$", text, re.M).group(1))
+    assert cmd == engine_argv(profile, host="0.0.0.0", port=8000, launcher="image",
+                              model=tiny_model_built_in_cpu_image())
+    entrypoint = yaml.safe_load(re.search(r"^ENTRYPOINT (\[.*\])$", text, re.M).group(1))
+    # With the model flag last, the arguments after the entrypoint are launcher="image"'s.
+    assert entrypoint == ["python", "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    env = dict(re.findall(r"(VLLM_[A-Z_]+)=(\S+)", text))
+    assert env == profile.env
+
+
+def test_gpu_engines_reserve_their_own_gpus(variant):
+    services = variant.compose_data()["services"]
+    taken: list[str] = []
+    for name, service in services.items():
+        if service.get("image") != compose.VLLM_GPU_IMAGE:
+            assert "deploy" not in service
+            continue
+        devices = service["deploy"]["resources"]["reservations"]["devices"]
+        assert [d["driver"] for d in devices] == ["nvidia"]
+        assert devices[0]["capabilities"] == ["gpu"]
+        tp = int(_flag(service["command"], "--tensor-parallel-size", "1"))
+        pp = int(_flag(service["command"], "--pipeline-parallel-size", "1"))
+        assert len(devices[0]["device_ids"]) == tp * pp, name
+        taken += devices[0]["device_ids"]
+    assert len(taken) == len(set(taken)), "two engines share a GPU"
+
+
+def _flag(argv: list[str], flag: str, default: str) -> str:
+    return argv[argv.index(flag) + 1] if flag in argv else default
+
+
+def test_engine_services_are_wired_for_a_real_host(variant):
+    services = variant.compose_data()["services"]
+    engines = {name: s for name, s in services.items() if name.startswith("engine-")}
+    assert engines
+    for name, service in engines.items():
+        assert service["environment"]["HF_TOKEN"] == "${HF_TOKEN:-}"  # passed through from the host
+        cache = service["environment"]["HF_HOME"]
+        assert f"${{HF_CACHE_DIR:-hf-cache}}:{cache}" in service["volumes"]
+        assert service["ipc"] == "host"
+        assert service["restart"] == "unless-stopped"
+        check = service["healthcheck"]
+        assert "/health" in " ".join(check["test"]) and ":8000/" in " ".join(check["test"])
+        assert check["start_period"] in {"10m", "30m"}
+    gateway = services["gateway"]
+    assert gateway["depends_on"] == {name: {"condition": "service_healthy"} for name in engines}
+    upstreams = [gateway["command"][i + 1] for i, arg in enumerate(gateway["command"])
+                 if arg == "--upstream"]
+    assert sorted(upstreams) == sorted(
+        f"{_flag(s['command'], '--served-model-name', '')}=http://{name}:8000"
+        for name, s in engines.items())
+    password = services["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"]
+    assert password.startswith("${GRAFANA_ADMIN_PASSWORD:?")
+
+
+# -- the renderer on configs made up for the purpose -----------------------------------------------
+
+GPU_PROFILE = """\
+model: org/model-{n}
+served_model_name: {name}
+device: gpu
+replicas: {replicas}
+vllm:
+  tensor-parallel-size: {tp}
+  max-model-len: 4096
+"""
+
+
+def write_config(tmp_path: Path, models: str) -> Path:
+    (tmp_path / "profiles").mkdir(exist_ok=True)
+    config = tmp_path / "gateway.yaml"
+    config.write_text("models:\n" + models)
+    return config
+
+
+def test_replicas_get_consecutive_gpus_and_remote_engines_join(tmp_path):
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles/a.yaml").write_text(GPU_PROFILE.format(n=1, name="A.1", replicas=2, tp=2))
+    (tmp_path / "profiles/b.yaml").write_text(GPU_PROFILE.format(n=2, name="b", replicas=1, tp=1))
+    config = write_config(tmp_path, "  - profile: profiles/a.yaml\n  - profile: profiles/b.yaml\n"
+                          "  - name: far\n    urls: [http://10.0.0.7:8000/]\n")
+    deployment = compose.plan_deployment(load_settings(config))
+    assert [(e.service, e.gpus) for e in deployment.engines] == [
+        ("engine-a-1-0", ("0", "1")), ("engine-a-1-1", ("2", "3")), ("engine-b-0", ("4",))]
+    assert deployment.gpu_count == 5
+    assert deployment.upstreams()[-1] == ("far", "http://10.0.0.7:8000")
+    files = compose.render_files(config, tmp_path / "out/compose.yaml")
+    rendered = yaml.safe_load(files[tmp_path / "out/compose.yaml"])
+    assert "# NVIDIA GPUs needed on this host: 5." in files[tmp_path / "out/compose.yaml"]
+    assert rendered["services"]["gateway"]["command"][-2:] == ["--upstream", "far=http://10.0.0.7:8000"]
+    prometheus = yaml.safe_load(files[tmp_path / "out/prometheus.yml"])
+    vllm_job = next(job for job in prometheus["scrape_configs"] if job["job_name"] == "vllm")
+    assert {"targets": ["10.0.0.7:8000"], "labels": {"model": "far"}} in vllm_job["static_configs"]
+
+
+def test_two_models_with_one_service_name_are_refused(tmp_path):
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles/a.yaml").write_text(GPU_PROFILE.format(n=1, name="m.1", replicas=1, tp=1))
+    (tmp_path / "profiles/b.yaml").write_text(GPU_PROFILE.format(n=2, name="m-1", replicas=1, tp=1))
+    config = write_config(tmp_path, "  - profile: profiles/a.yaml\n  - profile: profiles/b.yaml\n")
+    with pytest.raises(compose.ComposeError, match="engine-m-1-0"):
+        compose.plan_deployment(load_settings(config))
+
+
+def test_the_tiny_model_is_refused_on_a_gpu_engine(tmp_path):
+    (tmp_path / "profiles").mkdir()
+    text = (ROOT / "configs/profiles/tiny-cpu.yaml").read_text().replace("device: cpu", "device: gpu")
+    (tmp_path / "profiles/tiny.yaml").write_text(text.replace("../../.cache", str(ROOT / ".cache")))
+    config = write_config(tmp_path, "  - profile: profiles/tiny.yaml\n")
+    with pytest.raises(compose.ComposeError, match="CPU engine image"):
+        compose.render_files(config, tmp_path / "compose.yaml")
+
+
+def test_other_local_models_are_mounted_read_only_by_a_relative_path(tmp_path):
+    (tmp_path / "weights/my-model").mkdir(parents=True)
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles/p.yaml").write_text(
+        "model: ../weights/my-model\nserved_model_name: mine\ndevice: gpu\n")
+    config = write_config(tmp_path, "  - profile: profiles/p.yaml\n")
+    files = compose.render_files(config, tmp_path / "docker/compose.yaml")
+    service = yaml.safe_load(files[tmp_path / "docker/compose.yaml"])["services"]["engine-mine-0"]
+    assert service["command"][0] == "/models/my-model"
+    assert "../weights/my-model:/models/my-model:ro" in service["volumes"]
+
+
+def test_check_reports_drift_and_exit_1(tmp_path, capsys):
+    for path in (VARIANTS[1].compose, VARIANTS[1].prometheus):
+        shutil.copy(path, tmp_path / path.name)
+    output = tmp_path / "compose.cpu.yaml"
+    assert cli_main(["compose", "--config", str(VARIANTS[1].config), "--output", str(output),
+                     "--check"]) == 0
+    output.write_text(output.read_text().replace("'2048'", "'4096'"))
+    capsys.readouterr()
+    assert cli_main(["compose", "--config", str(VARIANTS[1].config), "--output", str(output),
+                     "--check"]) == 1
+    err = capsys.readouterr().err
+    assert re.search(r"^-\s+- '4096'$", err, re.M) and re.search(r"^\+\s+- '2048'$", err, re.M)
+    assert "make compose" in err
+    (tmp_path / "prometheus.cpu.yml").unlink()  # the companion file is checked too
+    output.write_text((VARIANTS[1].compose).read_text())
+    assert cli_main(["compose", "--config", str(VARIANTS[1].config), "--output", str(output),
+                     "--check"]) == 1
+
+
+def test_output_writes_both_files(tmp_path):
+    output = tmp_path / "compose.yaml"
+    assert cli_main(["compose", "--config", str(VARIANTS[0].config), "--output", str(output)]) == 0
+    assert output.read_text() == VARIANTS[0].compose.read_text()
+    assert (tmp_path / "prometheus.yml").read_text() == VARIANTS[0].prometheus.read_text()

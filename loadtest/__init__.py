@@ -1,0 +1,21 @@
+"""A load tester for OpenAI-compatible chat endpoints, measuring from outside as a client.
+
+`python -m loadtest --help` for usage. Layout, one concept per module:
+
+- `sse`: a byte-level Server-Sent Events decoder (pure).
+- `chunks`: what one OpenAI `chat.completion.chunk` means for timing (pure).
+- `client`: sends one streamed request and times it (httpx; the only place that does HTTP
+  for requests).
+- `records`: the per-request record written to `requests.jsonl`.
+- `scenarios`: the built-in workloads (`itinerary`, `articles`, `random`) and `file`.
+- `schedule`: open-loop arrival times (Poisson, gamma, constant) (pure).
+- `runner`: drives one run (closed-loop concurrency or open-loop rate, stop rules, warm-up).
+- `engine_probe`: optional scrapes of a vLLM `/metrics` endpoint (KV-cache usage per request).
+- `metrics`: the metric formulas over recorded timings (pure).
+- `slo`: `--slo` parsing, goodput and the pass/fail gate (pure).
+- `progress`: the live progress line.
+- `report`, `plots`: files written at the end (JSONL, summary JSON, Markdown, PNG).
+- `cli`: the command line.
+
+It never imports the project's `server` package: it is an outside client.
+"""

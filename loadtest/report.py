@@ -1,0 +1,257 @@
+"""The files a load test leaves behind, and the summary printed at the end.
+
+In `--output DIR`: `requests.jsonl` (one `RequestRecord` per line, warm-up included and marked),
+`summary.json` (configuration, one summary per run in vLLM's key names, comparisons, SLO
+verdicts), `report.md` (tables for people) and the PNG plots of `loadtest.plots`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loadtest.metrics import ALIASES, differences, per_turn, ratios, summarize
+from loadtest.runner import RunResult
+
+CAVEAT = ("Figures depend on the machine, the model and the engine settings: a tiny model on a "
+          "few CPU cores shows the mechanisms, not the numbers of a GPU deployment.")
+
+
+@dataclass
+class RunOutcome:
+    """One run with its computed summary and SLO verdict."""
+
+    result: RunResult
+    url: str
+    summary: dict
+    turns: list[dict]
+    verdict: dict | None = None
+
+    @classmethod
+    def of(cls, result: RunResult, url: str, slos: dict[str, float]) -> RunOutcome:
+        summary = summarize(result.measured, slos=slos)
+        summary["engine"] = result.engine
+        return cls(result, url, summary, per_turn(result.measured))
+
+    def to_json(self) -> dict:
+        return {"target": self.result.target, "run": self.result.run, "url": self.url,
+                "load": self.result.shape.to_json(), "wall_s": self.result.wall_s,
+                "warmup_requests": len(self.result.records) - len(self.result.measured),
+                "summary": _finite(self.summary), "per_turn": _finite(self.turns),
+                "slo": self.verdict}
+
+
+@dataclass
+class Comparison:
+    """B against A under the same load: ratios B/A and differences B-A."""
+
+    run: str
+    a: RunOutcome
+    b: RunOutcome
+    ratios: dict = field(init=False)
+    differences: dict = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ratios = ratios(self.a.summary, self.b.summary)
+        self.differences = differences(self.a.summary, self.b.summary)
+
+    def to_json(self) -> dict:
+        return {"run": self.run, "ratios_b_over_a": _finite(self.ratios),
+                "differences_b_minus_a": _finite(self.differences)}
+
+
+def _finite(value):
+    """JSON has no NaN: NaN and infinities become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _fmt(value, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+TABLE_ROWS = (
+    ("completed", "completed requests", 0),
+    ("failed", "failed requests", 0),
+    ("duration", "measured duration (s)", 2),
+    ("request_throughput", "request throughput (req/s)", 2),
+    ("output_throughput", "output token throughput (tok/s)", 1),
+    ("total_token_throughput", "total token throughput (tok/s)", 1),
+    ("request_goodput", "request goodput (req/s)", 2),
+    ("slo_attainment", "SLO attainment (0..1)", 3),
+    ("mean_ttft_ms", "TTFT mean (ms)", 1),
+    ("median_ttft_ms", "TTFT median (ms)", 1),
+    ("p99_ttft_ms", "TTFT p99 (ms)", 1),
+    ("median_tpot_ms", "TPOT median (ms)", 2),
+    ("p99_tpot_ms", "TPOT p99 (ms)", 2),
+    ("median_itl_ms", "ITL median (ms)", 2),
+    ("p99_itl_ms", "ITL p99 (ms)", 2),
+    ("median_e2el_ms", "E2E latency median (ms)", 1),
+    ("p99_e2el_ms", "E2E latency p99 (ms)", 1),
+    ("median_lateness_ms", "schedule lateness median (ms)", 2),
+    ("max_lateness_ms", "schedule lateness max (ms)", 2),
+    ("max_concurrent_requests", "peak requests in flight", 0),
+    ("total_input_tokens", "prompt tokens (usage)", 0),
+    ("total_output_tokens", "completion tokens (usage)", 0),
+)
+
+
+def markdown(outcomes: Sequence[RunOutcome], comparisons: Sequence[Comparison], config: dict,
+             plots: Sequence[str]) -> str:
+    """The human report: what ran, the headline table, comparisons, errors, turns, plots."""
+    lines = ["# Load test report", ""]
+    lines += [f"- command: `{config.get('command', '')}`",
+              f"- scenario: `{config.get('scenario')}`, model `{config.get('model')}`, "
+              f"seed {config.get('seed')}, max_tokens {config.get('max_tokens')}",
+              f"- started: {config.get('started')}"]
+    targets = {o.result.target: o.url for o in outcomes}
+    for target, url in targets.items():
+        lines.append(f"- target {target}: {url}")
+    lines += ["", f"> {CAVEAT}", ""]
+
+    lines += ["## Results", ""]
+    header = [f"{o.result.target}: {o.result.run}" for o in outcomes]
+    lines.append("| metric | " + " | ".join(header) + " |")
+    lines.append("|---|" + "---:|" * len(header))
+    for key, label, digits in TABLE_ROWS:
+        if not any(key in o.summary for o in outcomes):
+            continue
+        cells = [_fmt(o.summary.get(key), digits) for o in outcomes]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    engines = [o for o in outcomes if o.summary.get("engine")]
+    if engines:
+        for key in ("prefix_cache_hit_rate", "num_preemptions_total"):
+            cells = [_fmt(o.summary.get("engine", {}).get(key), 3) for o in outcomes]
+            lines.append(f"| engine {key} (from /metrics) | " + " | ".join(cells) + " |")
+    lines.append("")
+
+    if comparisons:
+        lines += ["## A/B comparison", "", "Ratios are B / A; differences are B - A.", ""]
+        lines.append("| run | metric | A | B | B / A | B - A |")
+        lines.append("|---|---|---:|---:|---:|---:|")
+        for comparison in comparisons:
+            for key, ratio in comparison.ratios.items():
+                lines.append(
+                    f"| {comparison.run} | {key} | {_fmt(comparison.a.summary.get(key), 2)} | "
+                    f"{_fmt(comparison.b.summary.get(key), 2)} | {_fmt(ratio, 3)} | "
+                    f"{_fmt(comparison.differences.get(key), 2)} |")
+        lines.append("")
+
+    verdicts = [o for o in outcomes if o.verdict is not None]
+    if verdicts:
+        lines += ["## SLOs", ""]
+        slos = verdicts[0].summary.get("slos_ms", {})
+        lines.append("Limits per request: " + ", ".join(f"{k} <= {v:g} ms" for k, v in slos.items())
+                     + f"; required attainment {verdicts[0].verdict['required']:g}.")
+        lines.append("")
+        for outcome in verdicts:
+            v = outcome.verdict
+            state = "PASS" if v["passed"] else "MISS"
+            lines.append(f"- {outcome.result.target}: {outcome.result.run}: {state} "
+                         f"(attainment {_fmt(v['slo_attainment'], 3)})")
+        lines.append("")
+
+    failing = [o for o in outcomes if o.summary.get("failed")]
+    if failing:
+        lines += ["## Errors", ""]
+        for outcome in failing:
+            counts = {k: v for k, v in outcome.summary["errors"].items() if v}
+            lines.append(f"- {outcome.result.target}: {outcome.result.run}: {counts}")
+            for example in outcome.summary.get("error_examples", []):
+                lines.append(f"  - {example['kind']} (turn {example['turn']}): "
+                             f"`{(example['error'] or '')[:200]}`")
+        lines.append("")
+
+    multi = [o for o in outcomes if len(o.turns) > 1]
+    if multi:
+        lines += ["## Per turn", ""]
+        lines.append("| run | turn | requests | errors | median TTFT (ms) | median prompt tokens "
+                     "| median prompt chars | max KV-cache usage (%) |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for outcome in multi:
+            for row in outcome.turns:
+                kv = row["max_kv_cache_usage"]
+                lines.append(
+                    f"| {outcome.result.target}: {outcome.result.run} | {row['turn'] + 1} | "
+                    f"{row['requests']} | {row['errors']} | {_fmt(row['median_ttft_ms'])} | "
+                    f"{_fmt(row['median_prompt_tokens'], 0)} | "
+                    f"{_fmt(row['median_prompt_chars'], 0)} | "
+                    f"{_fmt(kv * 100 if kv == kv else None, 2)} |")
+        lines.append("")
+
+    if plots:
+        lines += ["## Plots", ""]
+        lines += [f"![{name}]({name})" for name in plots]
+        lines.append("")
+
+    lines += ["## Definitions", "",
+              "TTFT: send -> first token chunk with text. TPOT: (E2E - TTFT) / (completion "
+              "tokens - 1). ITL: gaps between consecutive token chunks, pooled. E2E latency: "
+              "send -> last token chunk. Throughputs divide by the measured duration (first "
+              "send -> last request over). Lateness: send - scheduled time. Tokens from the "
+              "server's `usage`. Other tools' names:", ""]
+    lines += [f"- `{key}`: {alias}" for key, alias in ALIASES.items()]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def write_outputs(directory: Path, outcomes: Sequence[RunOutcome],
+                  comparisons: Sequence[Comparison], config: dict, *,
+                  plots: bool = True) -> dict:
+    """Write every output file into `directory`; returns the summary JSON document."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with (directory / "requests.jsonl").open("w") as out:
+        for outcome in outcomes:
+            for record in outcome.result.records:
+                out.write(json.dumps(_finite(record.to_json())) + "\n")
+    document = {
+        "config": config,
+        "runs": [o.to_json() for o in outcomes],
+        "comparisons": [c.to_json() for c in comparisons],
+        "passed": all(o.verdict["passed"] for o in outcomes if o.verdict is not None),
+        "metric_aliases": ALIASES,
+        "caveat": CAVEAT,
+    }
+    (directory / "summary.json").write_text(json.dumps(document, indent=2) + "\n")
+    names: list[str] = []
+    if plots:
+        from loadtest.plots import write_plots
+
+        names = write_plots([o.result for o in outcomes], directory)
+    (directory / "report.md").write_text(markdown(outcomes, comparisons, config, names))
+    return document
+
+
+def console_table(outcomes: Sequence[RunOutcome], comparisons: Sequence[Comparison]) -> str:
+    """A short plain-text summary for the terminal."""
+    rows = [("run", "ok", "err", "req/s", "tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
+             "ITL p50", "E2E p50")]
+    for o in outcomes:
+        s = o.summary
+        rows.append((f"{o.result.target}: {o.result.run}", _fmt(s["completed"]),
+                     _fmt(s["failed"]), _fmt(s["request_throughput"], 2),
+                     _fmt(s["output_throughput"], 1), _fmt(s.get("median_ttft_ms")),
+                     _fmt(s.get("p99_ttft_ms")), _fmt(s.get("median_tpot_ms"), 2),
+                     _fmt(s.get("median_itl_ms"), 2), _fmt(s.get("median_e2el_ms"))))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    text = "\n".join("  ".join(str(c).rjust(w) if i else str(c).ljust(w)
+                               for i, (c, w) in enumerate(zip(row, widths))) for row in rows)
+    for comparison in comparisons:
+        r = comparison.ratios
+        text += (f"\nB/A at {comparison.run}: TTFT p50 x{_fmt(r['median_ttft_ms'], 3)}, "
+                 f"E2E p50 x{_fmt(r['median_e2el_ms'], 3)}, "
+                 f"throughput x{_fmt(r['request_throughput'], 3)}; TTFT p50 B-A "
+                 f"{_fmt(comparison.differences['median_ttft_ms'], 2)} ms")
+    return text + "\n(latencies in ms)"

@@ -3,8 +3,10 @@
 One truth: the engines' command lines come from the profiles through `server.render.engine_argv`
 (the renderer `engine-args` and the supervisor use), so the compose file cannot drift from the
 profiles without `--check` (and the tests) saying so. Next to the compose file this writes the
-Prometheus config whose scrape targets are exactly the rendered services:
-`docker/compose.yaml` -> `docker/prometheus.yml`, `docker/compose.cpu.yaml` -> `docker/prometheus.cpu.yml`.
+gateway's own config (the source config's settings, each model with its profile and the URLs of
+its engine services) and the Prometheus config whose scrape targets are exactly the rendered
+services: `docker/compose.yaml` -> `docker/gateway.yaml` + `docker/prometheus.yml`, and
+`docker/compose.cpu.yaml` -> `docker/gateway.cpu.yaml` + `docker/prometheus.cpu.yml`.
 
 A profile with `device: gpu` runs in the official `vllm/vllm-openai` image with NVIDIA GPUs
 reserved; a `device: cpu` profile runs in our vllm-cpu image (docker/Dockerfile.vllm-cpu), which
@@ -39,6 +41,11 @@ GRAFANA_IMAGE = "grafana/grafana:12.1.1"
 
 ENGINE_PORT = 8000  # inside each engine container
 GATEWAY_PORT = 8000
+# The gateway container sees the checkout's configs/ at /app/configs and its rendered config at
+# /app/docker/gateway.yaml, so the profile paths in that config (../configs/profiles/...) resolve
+# the same inside the container and in the checkout.
+GATEWAY_CONFIG_IN_CONTAINER = "/app/docker/gateway.yaml"
+CONFIGS_IN_CONTAINER = "/app/configs"
 PROMETHEUS_PORT = 9090
 GRAFANA_PORT = 3000
 # Where Docker/vLLM keep downloaded weights, shared by every engine through one volume (or a
@@ -95,6 +102,9 @@ class Deployment:
 
     engines: list[Engine] = field(default_factory=list)
     remote: dict[str, list[str]] = field(default_factory=dict)  # model -> URLs of other hosts
+    # The gateway config's `models`, each with its profile (relative to the compose folder) and
+    # the URLs of all its engines.
+    gateway_models: list[dict[str, Any]] = field(default_factory=list)
 
     def upstreams(self) -> list[tuple[str, str]]:
         """(model, URL) for every engine the gateway is to use, in config order."""
@@ -114,27 +124,39 @@ def service_name(model: str, replica: int) -> str:
     return f"engine-{slug}-{replica}"
 
 
-def plan_deployment(settings: GatewaySettings) -> Deployment:
+def plan_deployment(settings: GatewaySettings, compose_dir: Path) -> Deployment:
     """Expand the config's models into engine replicas, giving each GPU replica its own GPUs.
 
     Docker's `count: N` always hands out the first N GPUs, so two replicas would share GPU 0;
     explicit `device_ids` in order (replica 0 of the first model gets 0..tp*pp-1, and so on)
-    give each its own.
+    give each its own. The compose file lives in `<checkout>/docker`, the profiles under
+    `<checkout>/configs` (the folder the gateway container mounts).
     """
     deployment = Deployment()
     next_gpu = 0
     seen: set[str] = set()
+    configs = (compose_dir.parent / "configs").resolve()  # mounted into the gateway container
     for entry in settings.models:
         path = settings.profile_path(entry)
+        remote = [url.rstrip("/") for url in entry.urls]
+        gateway_entry: dict[str, Any] = {"name": entry.name}
+        deployment.gateway_models.append(gateway_entry)
+        if entry.trimming is not None:
+            gateway_entry["trimming"] = entry.trimming.model_dump()
         if path is None:
-            deployment.remote.setdefault(entry.name or "", []).extend(
-                url.rstrip("/") for url in entry.urls
-            )
+            deployment.remote.setdefault(entry.name or "", []).extend(remote)
+            gateway_entry["urls"] = remote
             continue
+        if not path.resolve().is_relative_to(configs):
+            raise ComposeError(f"{path}: the gateway container sees {configs} only; "
+                               "keep the profile under it")
         profile = load_profile(path)
         model = entry.name or profile.served_model_name
-        if entry.urls:
-            deployment.remote.setdefault(model, []).extend(url.rstrip("/") for url in entry.urls)
+        gateway_entry["name"] = model
+        gateway_entry["profile"] = f"../configs/{path.resolve().relative_to(configs).as_posix()}"
+        if remote:
+            deployment.remote.setdefault(model, []).extend(remote)
+        first = len(deployment.engines)
         for replica in range(profile.replicas):
             name = service_name(model, replica)
             if name in seen:
@@ -146,6 +168,7 @@ def plan_deployment(settings: GatewaySettings) -> Deployment:
                 gpus = tuple(str(i) for i in range(next_gpu, next_gpu + width))
                 next_gpu += width
             deployment.engines.append(Engine(name, model, profile, replica, gpus))
+        gateway_entry["urls"] = [e.url for e in deployment.engines[first:]] + remote
     if not deployment.upstreams():
         raise ComposeError("the config names no model to serve")
     return deployment
@@ -185,12 +208,25 @@ def engine_command(engine: Engine, compose_dir: Path) -> list[str]:
                        model=model)
 
 
-def gateway_command(deployment: Deployment) -> list[str]:
+def gateway_command() -> list[str]:
     """`python -m server serve ...` arguments (after the image's `python -m server` entrypoint)."""
-    argv = ["serve", "--host", "0.0.0.0", "--port", str(GATEWAY_PORT)]
-    for model, url in deployment.upstreams():
-        argv += ["--upstream", f"{model}={url}"]
-    return argv
+    return ["serve", "--config", GATEWAY_CONFIG_IN_CONTAINER,
+            "--host", "0.0.0.0", "--port", str(GATEWAY_PORT)]
+
+
+def render_gateway_config(settings: GatewaySettings, deployment: Deployment) -> dict[str, Any]:
+    """The gateway's config inside compose: the operator's settings, the engines by URL.
+
+    Every key the operator wrote is kept as written (timeouts, routing, auth...); `models`
+    keeps each profile, for trimming and planned capacity, with `urls` naming its engine services.
+    """
+    source = yaml.safe_load(settings.source.read_text()) if settings.source else {}
+    config: dict[str, Any] = {"host": "0.0.0.0", "port": GATEWAY_PORT,
+                              "models": deployment.gateway_models}
+    for key, value in (source or {}).items():
+        if key not in config:
+            config[key] = value
+    return config
 
 
 def _healthcheck(port: int, start_period: str) -> dict[str, Any]:
@@ -232,13 +268,17 @@ def engine_service(engine: Engine, compose_dir: Path) -> dict[str, Any]:
     return service
 
 
-def gateway_service(deployment: Deployment) -> dict[str, Any]:
+def gateway_service(deployment: Deployment, gateway_file: str) -> dict[str, Any]:
     service: dict[str, Any] = {
         "image": GATEWAY_IMAGE,
         "build": {"context": "..", "dockerfile": "docker/Dockerfile.gateway"},
-        "command": gateway_command(deployment),
+        "command": gateway_command(),
         # Comma-separated API keys clients must send; empty leaves the gateway open.
         "environment": {"GATEWAY_API_KEYS": "${GATEWAY_API_KEYS:-}"},
+        "volumes": [
+            f"./{gateway_file}:{GATEWAY_CONFIG_IN_CONTAINER}:ro",
+            f"../configs:{CONFIGS_IN_CONTAINER}:ro",
+        ],
         "ports": [f"{GATEWAY_PORT}:{GATEWAY_PORT}"],
         "restart": "unless-stopped",
     }
@@ -290,12 +330,12 @@ def grafana_service() -> dict[str, Any]:
 
 
 def render_compose(deployment: Deployment, *, project: str, compose_dir: Path,
-                   prometheus_file: str) -> dict[str, Any]:
+                   prometheus_file: str, gateway_file: str) -> dict[str, Any]:
     """The compose file as a mapping (services in start order: engines, gateway, monitoring)."""
     services: dict[str, Any] = {}
     for engine in deployment.engines:
         services[engine.service] = engine_service(engine, compose_dir)
-    services["gateway"] = gateway_service(deployment)
+    services["gateway"] = gateway_service(deployment, gateway_file)
     services["prometheus"] = prometheus_service(prometheus_file)
     services["grafana"] = grafana_service()
     return {
@@ -330,10 +370,14 @@ def _host_port(url: str) -> str:
     return rest
 
 
-def companion_prometheus(output: Path) -> Path:
-    """docker/compose.yaml -> docker/prometheus.yml; docker/compose.cpu.yaml -> prometheus.cpu.yml."""
+def companions(output: Path) -> tuple[Path, Path]:
+    """The gateway and Prometheus configs beside a compose file.
+
+    docker/compose.yaml -> docker/gateway.yaml, docker/prometheus.yml;
+    docker/compose.cpu.yaml -> docker/gateway.cpu.yaml, docker/prometheus.cpu.yml.
+    """
     variant = output.stem.removeprefix("compose")
-    return output.with_name(f"prometheus{variant}.yml")
+    return output.with_name(f"gateway{variant}.yaml"), output.with_name(f"prometheus{variant}.yml")
 
 
 def render_files(config: Path, output: Path) -> dict[Path, str]:
@@ -342,9 +386,9 @@ def render_files(config: Path, output: Path) -> dict[Path, str]:
         settings = load_settings(config)
     except SettingsError as exc:
         raise ComposeError(str(exc)) from None
-    deployment = plan_deployment(settings)
     compose_dir = output.resolve().parent
-    prometheus_path = companion_prometheus(output)
+    deployment = plan_deployment(settings, compose_dir)
+    gateway_path, prometheus_path = companions(output)
     variant = output.stem.removeprefix("compose")
     project = "llm-serving" + variant.replace(".", "-")
     make = "make compose" + ("-" + variant.lstrip(".") if variant else "")
@@ -352,11 +396,11 @@ def render_files(config: Path, output: Path) -> dict[Path, str]:
     if deployment.gpu_count:
         header += f"# NVIDIA GPUs needed on this host: {deployment.gpu_count}.\n"
     compose = render_compose(deployment, project=project, compose_dir=compose_dir,
-                             prometheus_file=prometheus_path.name)
-    prometheus = render_prometheus(deployment)
+                             prometheus_file=prometheus_path.name, gateway_file=gateway_path.name)
     return {
         output: header + _dump(compose),
-        prometheus_path: header + _dump(prometheus),
+        gateway_path: header + _dump(render_gateway_config(settings, deployment)),
+        prometheus_path: header + _dump(render_prometheus(deployment)),
     }
 
 

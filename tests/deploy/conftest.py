@@ -19,10 +19,14 @@ class Variant:
     name: str
     config: Path
     compose: Path
+    gateway: Path
     prometheus: Path
 
     def compose_data(self) -> dict:
         return yaml.safe_load(self.compose.read_text())
+
+    def gateway_data(self) -> dict:
+        return yaml.safe_load(self.gateway.read_text())
 
     def prometheus_data(self) -> dict:
         return yaml.safe_load(self.prometheus.read_text())
@@ -30,9 +34,9 @@ class Variant:
 
 VARIANTS = [
     Variant("gpu", ROOT / "configs/gateway.gpu.yaml", DOCKER / "compose.yaml",
-            DOCKER / "prometheus.yml"),
+            DOCKER / "gateway.yaml", DOCKER / "prometheus.yml"),
     Variant("cpu", ROOT / "configs/gateway.yaml", DOCKER / "compose.cpu.yaml",
-            DOCKER / "prometheus.cpu.yml"),
+            DOCKER / "gateway.cpu.yaml", DOCKER / "prometheus.cpu.yml"),
 ]
 
 

@@ -110,16 +110,19 @@ def test_engine_services_are_wired_for_a_real_host(variant):
         assert check["start_period"] in {"10m", "30m"}
     gateway = services["gateway"]
     assert gateway["depends_on"] == {name: {"condition": "service_healthy"} for name in engines}
-    upstreams = [gateway["command"][i + 1] for i, arg in enumerate(gateway["command"])
-                 if arg == "--upstream"]
+    assert gateway["command"][:3] == ["serve", "--config", compose.GATEWAY_CONFIG_IN_CONTAINER]
+    assert f"./{variant.gateway.name}:{compose.GATEWAY_CONFIG_IN_CONTAINER}:ro" in gateway["volumes"]
+    upstreams = [(model["name"], url) for model in variant.gateway_data()["models"]
+                 for url in model["urls"]]
     assert sorted(upstreams) == sorted(
-        f"{_flag(s['command'], '--served-model-name', '')}=http://{name}:8000"
+        (_flag(s["command"], "--served-model-name", ""), f"http://{name}:8000")
         for name, s in engines.items())
     password = services["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"]
     assert password.startswith("${GRAFANA_ADMIN_PASSWORD:?")
 
 
 # -- the renderer on configs made up for the purpose -----------------------------------------------
+# They mirror the checkout: profiles under <tmp>/configs, the compose file in <tmp>/docker.
 
 GPU_PROFILE = """\
 model: org/model-{n}
@@ -132,84 +135,117 @@ vllm:
 """
 
 
-def write_config(tmp_path: Path, models: str) -> Path:
-    (tmp_path / "profiles").mkdir(exist_ok=True)
-    config = tmp_path / "gateway.yaml"
-    config.write_text("models:\n" + models)
+def write_config(tmp_path: Path, models: str, **profiles: str) -> Path:
+    (tmp_path / "configs/profiles").mkdir(parents=True, exist_ok=True)
+    for name, text in profiles.items():
+        (tmp_path / f"configs/profiles/{name}.yaml").write_text(text)
+    config = tmp_path / "configs/gateway.yaml"
+    config.write_text("routing:\n  policy: round_robin\nmodels:\n" + models)
     return config
 
 
 def test_replicas_get_consecutive_gpus_and_remote_engines_join(tmp_path):
-    (tmp_path / "profiles").mkdir()
-    (tmp_path / "profiles/a.yaml").write_text(GPU_PROFILE.format(n=1, name="A.1", replicas=2, tp=2))
-    (tmp_path / "profiles/b.yaml").write_text(GPU_PROFILE.format(n=2, name="b", replicas=1, tp=1))
-    config = write_config(tmp_path, "  - profile: profiles/a.yaml\n  - profile: profiles/b.yaml\n"
-                          "  - name: far\n    urls: [http://10.0.0.7:8000/]\n")
-    deployment = compose.plan_deployment(load_settings(config))
+    config = write_config(
+        tmp_path, "  - profile: profiles/a.yaml\n  - profile: profiles/b.yaml\n"
+        "  - name: far\n    urls: [http://10.0.0.7:8000/]\n",
+        a=GPU_PROFILE.format(n=1, name="A.1", replicas=2, tp=2),
+        b=GPU_PROFILE.format(n=2, name="b", replicas=1, tp=1))
+    deployment = compose.plan_deployment(load_settings(config), tmp_path / "docker")
     assert [(e.service, e.gpus) for e in deployment.engines] == [
         ("engine-a-1-0", ("0", "1")), ("engine-a-1-1", ("2", "3")), ("engine-b-0", ("4",))]
     assert deployment.gpu_count == 5
     assert deployment.upstreams()[-1] == ("far", "http://10.0.0.7:8000")
-    files = compose.render_files(config, tmp_path / "out/compose.yaml")
-    rendered = yaml.safe_load(files[tmp_path / "out/compose.yaml"])
-    assert "# NVIDIA GPUs needed on this host: 5." in files[tmp_path / "out/compose.yaml"]
-    assert rendered["services"]["gateway"]["command"][-2:] == ["--upstream", "far=http://10.0.0.7:8000"]
-    prometheus = yaml.safe_load(files[tmp_path / "out/prometheus.yml"])
+    output = tmp_path / "docker/compose.yaml"
+    files = compose.render_files(config, output)
+    assert "# NVIDIA GPUs needed on this host: 5." in files[output]
+    gateway = yaml.safe_load(files[tmp_path / "docker/gateway.yaml"])
+    assert gateway["routing"] == {"policy": "round_robin"}  # the operator's settings are kept
+    assert gateway["models"] == [
+        {"name": "A.1", "profile": "../configs/profiles/a.yaml",
+         "urls": ["http://engine-a-1-0:8000", "http://engine-a-1-1:8000"]},
+        {"name": "b", "profile": "../configs/profiles/b.yaml", "urls": ["http://engine-b-0:8000"]},
+        {"name": "far", "urls": ["http://10.0.0.7:8000"]},
+    ]
+    prometheus = yaml.safe_load(files[tmp_path / "docker/prometheus.yml"])
     vllm_job = next(job for job in prometheus["scrape_configs"] if job["job_name"] == "vllm")
     assert {"targets": ["10.0.0.7:8000"], "labels": {"model": "far"}} in vllm_job["static_configs"]
 
 
 def test_two_models_with_one_service_name_are_refused(tmp_path):
-    (tmp_path / "profiles").mkdir()
-    (tmp_path / "profiles/a.yaml").write_text(GPU_PROFILE.format(n=1, name="m.1", replicas=1, tp=1))
-    (tmp_path / "profiles/b.yaml").write_text(GPU_PROFILE.format(n=2, name="m-1", replicas=1, tp=1))
-    config = write_config(tmp_path, "  - profile: profiles/a.yaml\n  - profile: profiles/b.yaml\n")
+    config = write_config(tmp_path, "  - profile: profiles/a.yaml\n  - profile: profiles/b.yaml\n",
+                          a=GPU_PROFILE.format(n=1, name="m.1", replicas=1, tp=1),
+                          b=GPU_PROFILE.format(n=2, name="m-1", replicas=1, tp=1))
     with pytest.raises(compose.ComposeError, match="engine-m-1-0"):
-        compose.plan_deployment(load_settings(config))
+        compose.plan_deployment(load_settings(config), tmp_path / "docker")
+
+
+def test_a_profile_the_gateway_container_cannot_see_is_refused(tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere/p.yaml").write_text(GPU_PROFILE.format(n=1, name="p", replicas=1, tp=1))
+    config = write_config(tmp_path, "  - profile: ../elsewhere/p.yaml\n")
+    with pytest.raises(compose.ComposeError, match="sees"):
+        compose.render_files(config, tmp_path / "docker/compose.yaml")
 
 
 def test_the_tiny_model_is_refused_on_a_gpu_engine(tmp_path):
-    (tmp_path / "profiles").mkdir()
     text = (ROOT / "configs/profiles/tiny-cpu.yaml").read_text().replace("device: cpu", "device: gpu")
-    (tmp_path / "profiles/tiny.yaml").write_text(text.replace("../../.cache", str(ROOT / ".cache")))
-    config = write_config(tmp_path, "  - profile: profiles/tiny.yaml\n")
+    config = write_config(tmp_path, "  - profile: profiles/tiny.yaml\n",
+                          tiny=text.replace("../../.cache", str(ROOT / ".cache")))
     with pytest.raises(compose.ComposeError, match="CPU engine image"):
-        compose.render_files(config, tmp_path / "compose.yaml")
+        compose.render_files(config, tmp_path / "docker/compose.yaml")
 
 
 def test_other_local_models_are_mounted_read_only_by_a_relative_path(tmp_path):
     (tmp_path / "weights/my-model").mkdir(parents=True)
-    (tmp_path / "profiles").mkdir()
-    (tmp_path / "profiles/p.yaml").write_text(
-        "model: ../weights/my-model\nserved_model_name: mine\ndevice: gpu\n")
-    config = write_config(tmp_path, "  - profile: profiles/p.yaml\n")
+    config = write_config(tmp_path, "  - profile: profiles/p.yaml\n",
+                          p="model: ../../weights/my-model\nserved_model_name: mine\ndevice: gpu\n")
     files = compose.render_files(config, tmp_path / "docker/compose.yaml")
     service = yaml.safe_load(files[tmp_path / "docker/compose.yaml"])["services"]["engine-mine-0"]
     assert service["command"][0] == "/models/my-model"
     assert "../weights/my-model:/models/my-model:ro" in service["volumes"]
 
 
+def copy_variant(variant, tmp_path: Path) -> Path:
+    """The variant's committed files in <tmp>/docker, with <tmp>/configs the checkout's configs."""
+    (tmp_path / "docker").mkdir()
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    for path in compose.render_files(variant.config, variant.compose):
+        shutil.copy(path, tmp_path / "docker" / path.name)
+    return tmp_path / "docker" / variant.compose.name
+
+
 def test_check_reports_drift_and_exit_1(tmp_path, capsys):
-    for path in (VARIANTS[1].compose, VARIANTS[1].prometheus):
-        shutil.copy(path, tmp_path / path.name)
-    output = tmp_path / "compose.cpu.yaml"
-    assert cli_main(["compose", "--config", str(VARIANTS[1].config), "--output", str(output),
-                     "--check"]) == 0
+    variant = VARIANTS[1]
+    output = copy_variant(variant, tmp_path)
+    argv = ["compose", "--config", str(variant.config), "--output", str(output), "--check"]
+    assert cli_main(argv) == 0, capsys.readouterr().err
     output.write_text(output.read_text().replace("'2048'", "'4096'"))
     capsys.readouterr()
-    assert cli_main(["compose", "--config", str(VARIANTS[1].config), "--output", str(output),
-                     "--check"]) == 1
+    assert cli_main(argv) == 1
     err = capsys.readouterr().err
     assert re.search(r"^-\s+- '4096'$", err, re.M) and re.search(r"^\+\s+- '2048'$", err, re.M)
     assert "make compose" in err
-    (tmp_path / "prometheus.cpu.yml").unlink()  # the companion file is checked too
-    output.write_text((VARIANTS[1].compose).read_text())
-    assert cli_main(["compose", "--config", str(VARIANTS[1].config), "--output", str(output),
-                     "--check"]) == 1
+    output.write_text(variant.compose.read_text())
+    (tmp_path / "docker/gateway.cpu.yaml").unlink()  # the companion files are checked too
+    assert cli_main(argv) == 1
 
 
-def test_output_writes_both_files(tmp_path):
-    output = tmp_path / "compose.yaml"
-    assert cli_main(["compose", "--config", str(VARIANTS[0].config), "--output", str(output)]) == 0
-    assert output.read_text() == VARIANTS[0].compose.read_text()
-    assert (tmp_path / "prometheus.yml").read_text() == VARIANTS[0].prometheus.read_text()
+def test_output_writes_all_three_files(tmp_path):
+    variant = VARIANTS[0]
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    output = tmp_path / "docker/compose.yaml"
+    assert cli_main(["compose", "--config", str(variant.config), "--output", str(output)]) == 0
+    for path in compose.render_files(variant.config, variant.compose):
+        assert (tmp_path / "docker" / path.name).read_text() == path.read_text()
+
+
+def test_the_rendered_gateway_config_loads_with_its_profiles(variant):
+    settings = load_settings(variant.gateway)  # what `serve --config` reads in the container
+    source = load_settings(variant.config)
+    assert settings.timeouts == source.timeouts and settings.routing == source.routing
+    assert (settings.host, settings.port) == ("0.0.0.0", 8000)
+    profiles = settings.load_profiles()
+    assert profiles.keys() == source.load_profiles().keys()
+    for model in settings.models:
+        assert model.urls and all(url.startswith("http://engine-") for url in model.urls)
+        assert profiles[model.name].source == source.load_profiles()[model.name].source

@@ -1,0 +1,162 @@
+"""The streaming client against real servers: timings, usage, and every error kind."""
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from loadtest.client import ChatClient, make_http_client, normalize_base_url
+from loadtest.records import RequestRecord
+from tests.support import free_port, serve_in_thread
+
+MESSAGES = [{"role": "user", "content": "plan a day in Lisbon"}]
+
+
+async def stream(url, *, max_tokens=8, timeout=10.0, extra=None, model="standin", hook=None):
+    async with make_http_client(max_connections=4, timeout_s=timeout) as http:
+        client = ChatClient(url, http=http, model=model, timeout_s=timeout, extra_body=extra,
+                            headers={"x-test": "1"})
+        record = RequestRecord(request_id="req-1", session_id="s-1", max_tokens=max_tokens)
+        origin = time.perf_counter()
+        answer = await client.stream(record, MESSAGES, origin=origin, on_first_token=hook)
+        return answer.record, answer.text
+
+
+def test_base_url_with_or_without_v1():
+    for url in ("http://h:1", "http://h:1/", "http://h:1/v1", "http://h:1/v1/"):
+        assert normalize_base_url(url) == "http://h:1"
+
+
+async def test_chunk_timings_usage_and_text(standin):
+    fired = []
+    record, text = await stream(standin + "/v1", max_tokens=8, hook=lambda: fired.append(1))
+    assert record.ok and record.done and record.status == 200
+    assert record.completion_tokens == 8 and record.tokens_from_usage
+    assert record.prompt_tokens > 0
+    assert len(text.split()) == 8 and record.output_chars == len(text)
+    assert fired == [1]
+    # stand-in: first token 30 ms after arrival, then one every 5 ms
+    assert record.ttft_s >= 0.030
+    assert len(record.chunk_s) == 8 and record.chunk_s[0] == record.ttft_s
+    gaps = [b - a for a, b in zip(record.chunk_s, record.chunk_s[1:])]
+    assert all(g >= 0 for g in gaps)
+    # chunks cannot arrive before they are sent: the last one left >= 35 ms after the first,
+    # so they were timed one by one on arrival, not all at the end (lower bound only: a busy
+    # machine delays, it never hurries)
+    assert record.chunk_s[-1] - record.chunk_s[0] >= 0.035 - (record.ttft_s - 0.030)
+    assert record.e2e_s == record.chunk_s[-1] <= record.closed_s
+    assert record.first_chunk_s <= record.ttft_s
+    assert record.finish_reason == "length"
+
+
+async def test_request_carries_stream_options_and_headers(standin):
+    await stream(standin, extra={"temperature": 0})
+    last = httpx.get(f"{standin}/_standin/stats").json()["last_request"]
+    body = last["body"] if isinstance(last["body"], dict) else json.loads(last["body"])
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["max_tokens"] == 8 and body["temperature"] == 0
+    headers = {k.lower(): v for k, v in last["headers"].items()}
+    assert headers["x-request-id"] == "req-1" and headers["x-correlation-id"] == "s-1"
+    assert headers["x-test"] == "1"
+
+
+async def test_http_error_status_with_message(standin):
+    httpx.post(f"{standin}/_standin/faults", json={"status": 503})
+    record, _ = await stream(standin)
+    assert record.error_kind == "http" and record.status == 503
+    assert "HTTP 503" in record.error and "stand-in fault" in record.error
+
+
+async def test_unknown_model_is_an_http_error(standin):
+    record, _ = await stream(standin, model="nope")
+    assert record.error_kind == "http" and record.status in (400, 404)
+
+
+async def test_connection_cut_mid_stream_is_truncated(standin):
+    record, text = await stream(standin, extra={"standin": {"die_after_chunks": 3}})
+    assert record.error_kind == "truncated"
+    assert record.status == 200 and not record.done
+    assert record.ttft_s is not None  # the chunks before the cut were timed
+
+
+async def test_timeout_before_first_byte(standin):
+    started = time.perf_counter()
+    record, _ = await stream(standin, timeout=0.3, extra={"standin": {"first_byte_delay_s": 3}})
+    assert record.error_kind == "timeout"
+    assert time.perf_counter() - started < 2.0
+
+
+async def test_timeout_in_a_stalled_stream(standin):
+    record, _ = await stream(standin, timeout=0.4,
+                             extra={"standin": {"stall_after_chunks": 2, "stall_s": 3}})
+    assert record.error_kind == "timeout" and record.status == 200
+
+
+async def test_connection_refused():
+    record, _ = await stream(f"http://127.0.0.1:{free_port()}")
+    assert record.error_kind == "connection" and record.status is None
+
+
+def sse_app(events: list[bytes]):
+    """A tiny ASGI app answering every request with these raw SSE bytes."""
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                else:
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for event in events:
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+            await asyncio.sleep(0.005)
+        await send({"type": "http.response.body", "body": b""})
+
+    return app
+
+
+def chunk(content=None, role=None):
+    delta = {}
+    if role:
+        delta["role"] = role
+    if content is not None:
+        delta["content"] = content
+    return ("data: " + json.dumps({"choices": [{"index": 0, "delta": delta}]}) + "\n\n").encode()
+
+
+def test_error_event_inside_a_200_stream():
+    error = b'data: {"error": {"message": "engine died", "type": "InternalServerError", "code": 500}}\n\n'
+    with serve_in_thread(sse_app([chunk("", "assistant"), chunk("hi"), error,
+                                  b"data: [DONE]\n\n"])) as url:
+        record, text = asyncio.run(stream(url))
+    assert record.error_kind == "stream_error" and "engine died" in record.error
+    assert text == "hi"
+
+
+def test_stream_ending_without_done_is_truncated():
+    with serve_in_thread(sse_app([chunk("a"), chunk("b")])) as url:
+        record, _ = asyncio.run(stream(url))
+    assert record.error_kind == "truncated" and "[DONE]" in record.error
+
+
+def test_ttft_waits_for_text_and_tokens_fall_back_to_chunks():
+    # role chunk, an empty token chunk (partial UTF-8 in vLLM), then text; no usage chunk
+    with serve_in_thread(sse_app([chunk("", "assistant"), chunk(""), chunk("x"), chunk("y"),
+                                  b": keep-alive\n\n", b"data: [DONE]\n\n"])) as url:
+        record, text = asyncio.run(stream(url))
+    assert record.ok and text == "xy"
+    assert record.first_chunk_s < record.ttft_s
+    assert len(record.chunk_s) == 2  # ITL from the TTFT chunk on
+    assert record.completion_tokens == 3 and not record.tokens_from_usage
+
+
+def test_a_stream_without_tokens_is_an_error():
+    with serve_in_thread(sse_app([chunk("", "assistant"), b"data: [DONE]\n\n"])) as url:
+        record, _ = asyncio.run(stream(url))
+    assert record.error_kind == "no_tokens"

@@ -1,0 +1,136 @@
+"""The seed's scenario against the real vLLM engine, through the gateway, with the OpenAI SDK.
+
+A 500-character system prompt, 2,000 characters of retrieved context, and a conversation that
+grows turn after turn past the engine's max_model_len. Sent to the engine directly, a prompt
+over max_model_len gets 400; through the gateway every turn gets 200, the engine receives the
+system prompt and the context every time (seen in vLLM's `return_prompt_text`), and its
+`usage.prompt_tokens` never exceeds the budget and equals the gateway's own count.
+"""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import openai
+import pytest
+
+from server.gateway.app import create_app
+from server.gateway.settings import GatewaySettings, ModelEngines
+from server.profiles import TrimmingConfig
+from tests.support import serve_in_thread
+
+pytestmark = pytest.mark.engine
+
+ANSWER_TOKENS = 8
+WORDS = ("the quick brown fox jumps over a lazy dog while travellers plan an itinerary across "
+         "Europe by train with hotels museums markets and food").split()
+
+
+def _text(rng: random.Random, chars: int) -> str:
+    words: list[str] = []
+    while sum(len(w) + 1 for w in words) < chars:
+        words.append(rng.choice(WORDS))
+    return " ".join(words)[:chars]
+
+
+def _tokenize(engine_url: str, model: str, messages: list[dict]) -> int:
+    response = httpx.post(f"{engine_url}/tokenize", timeout=10.0, json={
+        "model": model, "messages": messages, "add_generation_prompt": True,
+    })
+    response.raise_for_status()
+    return response.json()["count"]
+
+
+def test_a_growing_conversation_gets_200_through_the_gateway_where_the_engine_says_400(real_engine):
+    rng = random.Random(4)
+    system = _text(rng, 500)
+    context = "Retrieved documents:\n" + _text(rng, 2000)
+    messages = [{"role": "system", "content": system}, {"role": "system", "content": context}]
+    budget = real_engine.max_model_len - ANSWER_TOKENS
+
+    settings = GatewaySettings(models=[ModelEngines(
+        name=real_engine.model, urls=[real_engine.url], trimming=TrimmingConfig(mode="auto"),
+    )])
+    over_limit_turns = 0
+    with (
+        serve_in_thread(create_app(settings, log_request=None)) as url,
+        openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as gateway,
+        openai.OpenAI(base_url=f"{real_engine.url}/v1", api_key="unused", max_retries=0, timeout=60) as direct,
+    ):
+        for turn in range(40):
+            messages.append({"role": "user", "content": f"Question {turn}: " + _text(rng, 300)})
+            full = _tokenize(real_engine.url, real_engine.model, messages)
+
+            raw = gateway.chat.completions.with_raw_response.create(
+                model=real_engine.model, messages=messages, max_tokens=ANSWER_TOKENS,
+                temperature=0, extra_body={"return_prompt_text": True},
+            )
+            assert raw.status_code == 200
+            completion = raw.parse()
+            prompt_tokens = completion.usage.prompt_tokens
+            prompt_text = completion.model_extra["prompt_text"]
+            dropped = int(raw.headers["x-trimmed-messages"])
+
+            # The engine never got more than the budget; the gateway's count is the engine's.
+            assert prompt_tokens <= budget
+            assert int(raw.headers["x-prompt-tokens-estimate"]) == prompt_tokens
+            # What the engine received: both instructions, then the newest turns, in order.
+            assert prompt_text.startswith(f"<|im_start|>system\n{system}<|im_end|>\n"
+                                          f"<|im_start|>system\n{context}<|im_end|>\n")
+            assert prompt_text.endswith(f"{messages[-1]['content']}<|im_end|>\n<|im_start|>assistant\n")
+            kept = messages[:2] + messages[2 + dropped:]
+            assert _tokenize(real_engine.url, real_engine.model, kept) == prompt_tokens
+
+            if full <= budget:
+                assert raw.headers["x-trim-status"] == "kept" and dropped == 0
+                assert prompt_tokens == full
+            else:
+                assert raw.headers["x-trim-status"] == "trimmed" and dropped > 0
+                assert kept[2]["role"] == "user"
+                assert int(raw.headers["x-trimmed-tokens"]) == full - prompt_tokens
+            if full > real_engine.max_model_len:
+                over_limit_turns += 1
+                with pytest.raises(openai.BadRequestError):
+                    direct.chat.completions.create(
+                        model=real_engine.model, messages=messages, max_tokens=ANSWER_TOKENS,
+                    )
+                if over_limit_turns == 4:
+                    break
+            messages.append({"role": "assistant", "content": completion.choices[0].message.content or "ok"})
+    assert over_limit_turns == 4
+
+
+def test_streaming_is_trimmed_and_a_strict_request_is_refused_with_both_numbers(real_engine):
+    rng = random.Random(5)
+    messages = [{"role": "system", "content": _text(rng, 500)}]
+    for turn in range(30):
+        messages.append({"role": "user" if turn % 2 == 0 else "assistant", "content": _text(rng, 300)})
+    full = _tokenize(real_engine.url, real_engine.model, messages)
+    assert full > real_engine.max_model_len
+    budget = real_engine.max_model_len - ANSWER_TOKENS
+    settings = GatewaySettings(models=[ModelEngines(
+        name=real_engine.model, urls=[real_engine.url], trimming=TrimmingConfig(mode="auto"),
+    )])
+    with (
+        serve_in_thread(create_app(settings, log_request=None)) as url,
+        openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as gateway,
+    ):
+        with gateway.chat.completions.with_streaming_response.create(
+            model=real_engine.model, messages=messages, max_tokens=ANSWER_TOKENS, stream=True,
+            stream_options={"include_usage": True},
+        ) as response:
+            assert response.headers["x-trim-status"] == "trimmed"
+            chunks = list(response.parse())
+        usage = chunks[-1].usage
+        assert usage.prompt_tokens == int(response.headers["x-prompt-tokens-estimate"]) <= budget
+        assert any(c.choices and c.choices[0].delta.content for c in chunks)
+
+        with pytest.raises(openai.BadRequestError) as refused:
+            gateway.chat.completions.create(
+                model=real_engine.model, messages=messages, max_tokens=ANSWER_TOKENS,
+                extra_headers={"x-trim-mode": "strict"},
+            )
+        assert refused.value.code == "context_length_exceeded"
+        assert refused.value.param == "messages"
+        assert str(full) in refused.value.message and str(budget) in refused.value.message

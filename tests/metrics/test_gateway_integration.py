@@ -1,0 +1,163 @@
+"""Metrics and request logs of the real gateway app, in front of the stand-in engine, driven by
+the OpenAI SDK over real HTTP."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+
+import httpx
+import openai
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.gateway.app import create_app
+from server.gateway.logs import ACCESS_LOGGER
+from server.gateway.settings import GatewaySettings, HealthCheck, ModelEngines
+from tests.standin import StandinConfig, build_app
+from tests.support import serve_in_thread
+
+TTFT_S = 0.2  # the stand-in sends the role chunk at once and the first token after this
+STALL_S = 0.8  # and, on request, pauses this long after the first token
+
+
+def gateway_samples(url: str) -> dict[tuple[str, frozenset], float]:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def get(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+@pytest.fixture
+def standin_url():
+    with serve_in_thread(build_app(StandinConfig(ttft_ms=TTFT_S * 1000, itl_ms=5, tokens=6))) as url:
+        yield url
+
+
+@pytest.fixture
+def hanging_engine():
+    """An 'engine' that accepts connections and never answers."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", sock
+    finally:
+        sock.close()
+
+
+def make_gateway(*models: ModelEngines, interval: float = 0.1, **settings_fields) -> tuple:
+    settings = GatewaySettings(
+        models=list(models), metrics_scrape_interval=interval, **settings_fields
+    )
+    app = create_app(settings, registry=CollectorRegistry(), profiles={})
+    return app, app.state.gateway
+
+
+def test_ttft_once_per_stream_at_first_content_chunk_and_counters_by_status(standin_url, caplog):
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    app, _ = make_gateway(ModelEngines(name="standin", urls=[standin_url]))
+    with serve_in_thread(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "hello"}]
+        streamed = 2
+        for _ in range(streamed):
+            stream = client.chat.completions.create(
+                model="standin",
+                messages=messages,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"standin": {"stall_after_chunks": 2, "stall_s": STALL_S}},
+            )
+            chunks = list(stream)
+            assert chunks[0].choices[0].delta.role == "assistant"
+        plain = client.chat.completions.create(model="standin", messages=messages)
+        assert plain.usage.completion_tokens == 6
+        with pytest.raises(openai.APIStatusError) as failed:
+            client.chat.completions.create(
+                model="standin", messages=messages, extra_body={"standin": {"status": 400}}
+            )
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="nope", messages=messages)
+        got = gateway_samples(url)
+
+    # Exactly one first-token observation per streamed request, none for the others...
+    assert get(got, "gateway_time_to_first_token_seconds_count", model="standin") == streamed
+    # ...taken at the first content chunk: not at the role chunk sent at once (it is later than
+    # the stand-in's first-token delay), not at the second token (that comes STALL_S later).
+    ttft_sum = get(got, "gateway_time_to_first_token_seconds_sum", model="standin")
+    assert streamed * TTFT_S <= ttft_sum < streamed * (TTFT_S + STALL_S)
+    assert get(got, "gateway_time_to_first_token_seconds_bucket", model="standin", le="0.15") == 0
+    assert get(got, "gateway_time_to_first_token_seconds_bucket", model="standin", le="1.0") == 2
+    # Five gaps between six tokens, per stream; the stall is one of them.
+    assert get(got, "gateway_inter_token_latency_seconds_count", model="standin") == streamed * 5
+    assert get(got, "gateway_inter_token_latency_seconds_sum", model="standin") >= streamed * STALL_S
+    # Durations kept apart by stream kind.
+    assert get(got, "gateway_request_duration_seconds_count", model="standin", stream="true") == 2
+    assert get(got, "gateway_request_duration_seconds_count", model="standin", stream="false") == 2
+    # Counters by the status the client saw.
+    assert get(got, "gateway_requests_total", model="standin", code="200") == 3
+    assert get(got, "gateway_requests_total", model="standin", code=str(failed.value.status_code)) == 1
+    assert get(got, "gateway_requests_total", model="_unknown", code="404") == 1
+    assert not any(dict(labels).get("model") == "nope" for _, labels in got)
+    assert get(got, "gateway_requests_in_flight", model="standin") == 0
+    assert get(got, "gateway_completion_tokens_total", model="standin") == 3 * 6
+    assert get(got, "gateway_prompt_tokens_total", model="standin") > 0
+    assert get(got, "gateway_engine_up", model="standin", engine=standin_url.split("//")[1]) == 1
+
+    # One access log line per request, agreeing with the metrics.
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == ACCESS_LOGGER]
+    assert [line["status"] for line in lines] == [200] * 3 + [failed.value.status_code, 404]
+    assert [line["stream"] for line in lines[:3]] == [True] * 2 + [False]
+    assert all(TTFT_S <= line["ttft_s"] < TTFT_S + STALL_S for line in lines[:2])
+    assert lines[2]["ttft_s"] is None
+    assert all(line["request_id"] for line in lines)
+    assert "hello" not in json.dumps(lines)
+
+
+def test_dead_engines_are_marked_down_without_slowing_requests(standin_url, hanging_engine):
+    """One engine hangs (accepts, never answers), one refuses. While the gateway's scrape of the
+    hanging engine is provably outstanding (we hold its connection unanswered), requests and the
+    gateway's own /metrics are served, and both dead engines show as down."""
+    hanging_url, hang = hanging_engine
+    refused_sock = socket.socket()
+    refused_sock.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+    refused_url = f"http://127.0.0.1:{refused_sock.getsockname()[1]}"
+    held: list[socket.socket] = []
+    try:
+        app, _ = make_gateway(
+            ModelEngines(name="standin", urls=[standin_url]),
+            ModelEngines(name="ghost", urls=[hanging_url, refused_url]),
+            health=HealthCheck(timeout=0.5),  # the gateway's start-up health round waits this long
+        )
+        with serve_in_thread(app) as url:
+            hang.settimeout(10)
+            while True:  # health checks connect too; wait for the scrape of /metrics
+                conn, _ = hang.accept()
+                held.append(conn)
+                if conn.recv(4096).startswith(b"GET /metrics"):
+                    break
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            for _ in range(3):
+                stream = client.chat.completions.create(
+                    model="standin", messages=[{"role": "user", "content": "hi"}], stream=True
+                )
+                assert len([c for c in stream if c.choices and c.choices[0].delta.content]) == 6
+            got = gateway_samples(url)
+            hanging, refused = (u.split("//")[1] for u in (hanging_url, refused_url))
+            assert get(got, "gateway_engine_up", model="ghost", engine=refused) == 0
+            assert get(got, "gateway_engine_up", model="ghost", engine=hanging) == 0
+            assert get(got, "gateway_engine_up", model="standin", engine=standin_url[7:]) == 1
+            assert get(got, "gateway_requests_total", model="standin", code="200") == 3
+    finally:
+        for conn in held:
+            conn.close()
+        refused_sock.close()

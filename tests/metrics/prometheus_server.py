@@ -42,6 +42,18 @@ class Prometheus:
         active = self._get("/api/v1/targets")["activeTargets"]
         return bool(active) and all(t["health"] == "up" for t in active)
 
+    def wait_rules_evaluated(self, timeout: float = 10.0) -> list[dict]:
+        """Every loaded rule, once each has been evaluated at least once."""
+        deadline = time.monotonic() + timeout
+        while True:
+            groups = self._get("/api/v1/rules")["groups"]
+            rules = [rule for group in groups for rule in group["rules"]]
+            if rules and all(r.get("lastEvaluation", "").startswith("2") for r in rules):
+                return rules
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rules not evaluated within {timeout} s: {rules}")
+            time.sleep(0.2)
+
     def wait_until(self, expr: str, predicate, timeout: float = 20.0) -> list[dict]:
         """Poll `expr` until predicate(result) is true; returns that result."""
         deadline = time.monotonic() + timeout

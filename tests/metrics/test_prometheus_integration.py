@@ -1,0 +1,112 @@
+"""A real Prometheus scrapes the real gateway in front of the real vLLM engine while requests run;
+then every query of every dashboard panel and every alert expression must return data."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+
+import openai
+import pytest
+from prometheus_client import CollectorRegistry
+
+from server.gateway.app import create_app
+from server.gateway.settings import GatewaySettings, ModelEngines
+from tests.metrics.prometheus_server import run_prometheus
+from tests.metrics.test_dashboards_and_alerts import ALERTS, alert_exprs, dashboard_queries
+from tests.support import serve_in_thread
+
+pytestmark = [pytest.mark.prometheus, pytest.mark.engine]
+
+# Grafana's variables, as Grafana would fill them in: all models, and a window that covers the
+# whole test (Prometheus scrapes every second).
+GRAFANA_VARIABLES = {"$model": ".*", "$__rate_interval": "1m"}
+COMPARISON = re.compile(r"\s*(==|!=|>=|<=|>|<)\s*[-+0-9.eE]+\s*$")
+
+
+def grafana_expr(expr: str) -> str:
+    for name, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(name, value)
+    assert "$" not in expr, f"unfilled variable in {expr}"
+    return expr
+
+
+def without_threshold(expr: str) -> str:
+    """`X > 0.9` -> `X`: the series an alert compares, which must exist even when all is well."""
+    stripped = COMPARISON.sub("", expr.strip())
+    assert stripped != expr.strip(), f"alert expression without a final threshold: {expr}"
+    return stripped
+
+
+def total(result: list[dict]) -> float:
+    return sum(float(r["value"][1]) for r in result)
+
+
+def test_every_dashboard_query_and_alert_expression_returns_data(real_engine):
+    model = real_engine.model
+    settings = GatewaySettings(
+        # The profile's plan gives gateway_engine_kv_cache_planned_tokens; the URL is the engine.
+        models=[ModelEngines(name=model, profile="real-engine", urls=[real_engine.url])],
+        metrics_scrape_interval=0.5,
+    )
+    app = create_app(settings, registry=CollectorRegistry(), profiles={model: real_engine.profile})
+    with serve_in_thread(app) as gateway, run_prometheus(gateway, rule_files=[ALERTS]) as prom:
+        client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+        def send(stream: bool, i: int) -> None:
+            request = dict(
+                model=model,
+                messages=[{"role": "user", "content": f"Tell me about trains, part {i}."}],
+                max_tokens=8,
+            )
+            if stream:
+                chunks = list(
+                    client.chat.completions.create(
+                        **request, stream=True, stream_options={"include_usage": True}
+                    )
+                )
+                assert chunks[-1].usage.completion_tokens > 0
+            else:
+                assert client.chat.completions.create(**request).usage.completion_tokens > 0
+
+        prom.wait_until("gateway_engine_up", lambda r: total(r) == 1)
+        # First requests create the per-model series; the next ones make them grow in the window.
+        send(True, 0)
+        send(False, 0)
+        prom.wait_until("sum(gateway_requests_total)", lambda r: total(r) == 2)
+        queries_before = total(prom.query("gateway_engine_prefix_cache_queries_total"))
+        for i in range(1, 4):
+            send(True, i)
+            send(i == 3, i + 10)  # and two non-streaming ones
+        prom.wait_until("sum(gateway_requests_total)", lambda r: total(r) == 8)
+        prom.wait_until(
+            "gateway_engine_prefix_cache_queries_total", lambda r: total(r) > queries_before
+        )
+        time.sleep(1.5)  # one more scrape, so every rate has two points after the last request
+
+        # The metrics say what happened: 5 streamed requests, 3 non-streamed.
+        ttft = prom.query("sum(gateway_time_to_first_token_seconds_count)")
+        assert total(ttft) == 5
+        plain = prom.query('sum(gateway_request_duration_seconds_count{stream="false"})')
+        assert total(plain) == 3
+        assert model in prom.label_values("model", "gateway_requests_total")
+
+        empty = []
+        for where, title, expr in dashboard_queries():
+            if title.startswith("variable "):
+                continue  # checked above through the label values API
+            result = prom.query(grafana_expr(expr))
+            values = [float(r["value"][1]) for r in result]
+            if not any(math.isfinite(v) for v in values):
+                empty.append(f"{where}: {title}: {expr} -> {result}")
+        for name, expr in alert_exprs():
+            result = prom.query(without_threshold(expr))
+            if not any(math.isfinite(float(r["value"][1])) for r in result):
+                empty.append(f"alert {name}: {expr} -> {result}")
+        assert not empty, "queries without data:\n" + "\n".join(empty)
+
+        # Prometheus loaded every rule and evaluates it without error.
+        rules = prom.wait_rules_evaluated()
+        assert {r["name"] for r in rules} == {name for name, _ in alert_exprs()}
+        assert all(r["health"] == "ok" for r in rules), rules

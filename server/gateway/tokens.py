@@ -17,6 +17,10 @@ a hash of the message's canonical JSON (bounded LRU), so a conversation that gro
 costs one small tokenize call. The estimate of a whole prompt is ``per_call + sum(net) +
 generation_prompt``.
 
+Tool definitions (the request's ``tools``) are rendered by many templates into the prompt once;
+their cost is measured once per distinct tool list (``c([probe], tools) - c([probe])``) and added
+to the overhead, when the tokenizer accepts ``tools``.
+
 Templates where the sum is not exact (messages rendered differently in context, roles merged;
 vLLM itself folds `developer` messages into the leading system message) are caught by
 verification: when an estimate comes close to the budget the caller asks for one exact count of
@@ -35,7 +39,8 @@ from dataclasses import dataclass
 from typing import Any
 
 Message = dict[str, Any]
-Tokenize = Callable[[list[Message], bool], Awaitable[int]]
+# tokenize(messages, add_generation_prompt) -> tokens; with tools, also a `tools=` keyword.
+Tokenize = Callable[..., Awaitable[int]]
 
 # Probe conversation for calibration: ordinary, template-friendly messages.
 _PROBES: tuple[Message, ...] = (
@@ -91,7 +96,7 @@ class TokenCounter:
         self.max_entries = max_entries
         self.concurrency = concurrency
         self.verify_margin = verify_margin
-        self._cache: OrderedDict[tuple[str, bytes], int] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, bytes], int] = OrderedDict()  # also tool lists' costs
         self._calibrations: dict[str, Calibration] = {}
 
     def calibration(self, model: str) -> Calibration | None:
@@ -102,9 +107,12 @@ class TokenCounter:
 
     async def count(
         self, model: str, tokenize: Tokenize, messages: Sequence[Message],
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool = True, tools: list[Any] | None = None,
     ) -> PromptCount:
-        """Estimate the prompt of `messages`; only messages not seen before are tokenized."""
+        """Estimate the prompt of `messages`; only messages not seen before are tokenized.
+
+        With `tools`, `tokenize` must accept them as ``tools=``; their cost joins the overhead.
+        """
         calibration = await self._calibrate(model, tokenize)
         keys = [(model, message_key(m)) for m in messages]
         missing: dict[tuple[str, bytes], Message] = {}
@@ -127,6 +135,8 @@ class TokenCounter:
         for key, value in fresh.items():
             self._remember(key, value)
         overhead = calibration.per_call + (calibration.generation_prompt if add_generation_prompt else 0)
+        if tools:
+            overhead += await self._tools_cost(model, tokenize, tools)
         return PromptCount(per_message=per_message, overhead=overhead)
 
     def needs_verification(self, model: str, estimate: int, budget: int) -> bool:
@@ -142,10 +152,13 @@ class TokenCounter:
 
     async def count_exact(
         self, model: str, tokenize: Tokenize, messages: Sequence[Message],
-        add_generation_prompt: bool, estimate: int | None = None,
+        add_generation_prompt: bool, estimate: int | None = None, tools: list[Any] | None = None,
     ) -> int:
         """One tokenize call of the whole prompt; learns how far `estimate` was off."""
-        exact = await tokenize(list(messages), add_generation_prompt)
+        if tools:
+            exact = await tokenize(list(messages), add_generation_prompt, tools=tools)
+        else:
+            exact = await tokenize(list(messages), add_generation_prompt)
         calibration = self._calibrations.get(model)
         if calibration is not None and estimate is not None:
             calibration.verifications += 1
@@ -174,6 +187,19 @@ class TokenCounter:
         )
         self._calibrations[model] = calibration
         return calibration
+
+    async def _tools_cost(self, model: str, tokenize: Tokenize, tools: list[Any]) -> int:
+        key = (model, b"tools:" + message_key({"tools": tools}))
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        probe = [_PROBES[1]]
+        with_tools, without = await asyncio.gather(
+            tokenize(probe, False, tools=tools), tokenize(probe, False),
+        )
+        cost = max(0, with_tools - without)
+        self._remember(key, cost)
+        return cost
 
     def _remember(self, key: tuple[str, bytes], value: int) -> None:
         self._cache[key] = value

@@ -20,6 +20,8 @@ that fails — passes through untouched, so the app and the engine report it as 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -44,12 +46,25 @@ _MAX_ROUNDS = 3
 
 
 class TrimTarget(Protocol):
-    """What the middleware needs to know about the engine serving one model."""
+    """What the middleware needs to know about the engine serving one model.
+
+    `tokenize` may also take a keyword `tools` (the request's tool definitions, which many chat
+    templates render into the prompt); when it does, their tokens are counted too.
+    """
 
     max_model_len: int | None
     trimming: TrimmingConfig
 
     async def tokenize(self, messages: list[dict], add_generation_prompt: bool) -> int: ...
+
+
+@functools.cache
+def _accepts_tools(kind: type) -> bool:
+    try:
+        parameters = inspect.signature(kind.tokenize).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return "tools" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
 Lookup = Callable[[str], Awaitable[TrimTarget | None]]
@@ -175,8 +190,10 @@ class TrimmingMiddleware:
             "continue_final_message", False
         )
         try:
+            tools = request.get("tools") if isinstance(request.get("tools"), list) else None
             outcome = await self._fit(
-                model, target, messages, budget, mode, generation_prompt, target.max_model_len, reserved,
+                model, target, messages, budget, mode, generation_prompt, target.max_model_len,
+                reserved, tools,
             )
         except Exception as exc:  # noqa: BLE001 - any tokenizer failure: pass through, untrimmed
             if model not in self._failing:
@@ -194,9 +211,10 @@ class TrimmingMiddleware:
 
     async def _fit(
         self, model: str, target: TrimTarget, messages: list[dict], budget: int, mode: str,
-        generation_prompt: bool, max_model_len: int | None, reserved: int,
+        generation_prompt: bool, max_model_len: int | None, reserved: int, tools: list | None,
     ) -> TrimOutcome:
-        counts = await self.counter.count(model, target.tokenize, messages, generation_prompt)
+        tools = tools if tools and _accepts_tools(type(target)) else None
+        counts = await self.counter.count(model, target.tokenize, messages, generation_prompt, tools)
         by_position = dict(zip(map(id, messages), counts.per_message, strict=True))
 
         def count(message: dict) -> int:
@@ -211,6 +229,7 @@ class TrimmingMiddleware:
             if self.counter.needs_verification(model, sent, budget):
                 sent = await self.counter.count_exact(
                     model, target.tokenize, result.messages, generation_prompt, estimate=sent,
+                    tools=tools,
                 )
             if sent <= budget:
                 return _outcome(result, sent)

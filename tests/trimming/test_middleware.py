@@ -354,3 +354,33 @@ def test_an_unknown_context_length_without_a_history_budget_is_reported():
         response = s.chat(conversation(3))
         assert response.status_code == 200
         assert response.headers["x-trim-status"] == "no-budget"
+
+
+@dataclass
+class ToolRenderingTarget(StandinTarget):
+    """A stand-in tokenizer whose template renders each tool definition as 50 tokens."""
+
+    async def tokenize(self, messages: list[dict], add_generation_prompt: bool, tools=None) -> int:
+        return await super().tokenize(messages, add_generation_prompt) + 50 * len(tools or [])
+
+
+def test_tool_definitions_count_against_the_budget_when_the_tokenizer_takes_them():
+    recorder = _Recorder()
+    engine = build_app(StandinConfig(model=MODEL))
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {}}} for i in range(2)]
+    messages = conversation(20)  # 34 + 20 * 24 + 3 = 517 tokens
+    with serve_in_thread(engine) as engine_url:
+        for target, room in ((ToolRenderingTarget(TrimmingConfig(history_budget_tokens=400)), 300),
+                             (StandinTarget(TrimmingConfig(history_budget_tokens=400)), 400)):
+            target.url = engine_url
+
+            async def lookup(model, target=target):
+                return target
+
+            with serve_in_thread(TrimmingMiddleware(recorder, lookup=lookup)) as url:
+                response = httpx.post(f"{url}/v1/chat/completions", verify=_TLS,
+                                      json={"model": MODEL, "messages": messages, "tools": tools})
+            assert response.headers["x-trim-status"] == "trimmed"
+            kept = json.loads(recorder.bodies[-1])["messages"]
+            assert room - 2 * 24 < count_chat_tokens(kept) <= room
+            assert int(response.headers["x-prompt-tokens-estimate"]) == count_chat_tokens(kept) + 400 - room

@@ -38,9 +38,10 @@ class Template:
             previous = message["role"]
         return total
 
-    async def tokenize(self, messages: list[dict], add_generation_prompt: bool) -> int:
+    async def tokenize(self, messages: list[dict], add_generation_prompt: bool, tools=None) -> int:
         self.calls.append(messages)
-        return self.exact(messages, add_generation_prompt)
+        # Tool definitions are rendered once, in front: 5 tokens each.
+        return self.exact(messages, add_generation_prompt) + 5 * len(tools or [])
 
 
 def _turn(i: int) -> dict:
@@ -176,3 +177,21 @@ async def test_verification_is_asked_for_only_near_the_budget_when_counts_add_up
     assert not counter.needs_verification("m", 192, 200)
     assert counter.needs_verification("m", 193, 200)
     assert counter.needs_verification("unknown model", 1, 200)
+
+
+async def test_tool_definitions_are_counted_once_per_distinct_list():
+    template = Template(bos=1)
+    counter = TokenCounter()
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {}}} for i in range(3)]
+    plain = await counter.count("m", template.tokenize, messages)
+    with_tools = await counter.count("m", template.tokenize, messages, tools=tools)
+    assert with_tools.total == plain.total + 15 == await template.tokenize(messages, True, tools=tools)
+    before = len(template.calls)
+    again = await counter.count("m", template.tokenize, [*messages, {"role": "assistant", "content": "x"}],
+                                tools=tools)
+    assert len(template.calls) == before + 1  # only the new message
+    assert again.total == template.exact([*messages, {"role": "assistant", "content": "x"}], True) + 15
+    exact = await counter.count_exact("m", template.tokenize, messages, True, estimate=with_tools.total,
+                                      tools=tools)
+    assert exact == with_tools.total

@@ -109,8 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="bearer token (default: $OPENAI_API_KEY)")
     target.add_argument("--header", action="append", type=_header, default=[], metavar="'K: V'",
                         help="extra request header (repeatable)")
-    target.add_argument("--metrics-url", help="a vLLM /metrics URL to read KV-cache usage per "
-                        "request and prefix-cache hits per run (optional)")
+    target.add_argument("--metrics-url", help="a vLLM /metrics URL to sample KV-cache usage "
+                        "during the run (per request and per turn) and prefix-cache hits per run")
+    target.add_argument("--metrics-interval", type=float, default=0.1, metavar="SECONDS",
+                        help="how often --metrics-url is sampled during a run (0.1)")
 
     work = parser.add_argument_group("workload")
     work.add_argument("--scenario", choices=scenarios.SCENARIOS, default="itinerary",
@@ -247,7 +249,8 @@ async def run_all(args: argparse.Namespace, shapes: list[LoadShape], stop: StopR
                     client = ChatClient(target["url"], http=http, model=target["model"],
                                         api_key=args.api_key, headers=target["headers"],
                                         timeout_s=args.timeout, extra_body=target["extra"])
-                    probe = (EngineProbe(target["metrics_url"], http=probe_http)
+                    probe = (EngineProbe(target["metrics_url"], http=probe_http,
+                                         interval_s=args.metrics_interval)
                              if target["metrics_url"] else None)
                     runner = Runner(client, _sessions(args), shape, stop, target=target["label"],
                                     run=shape.label, think_time_s=args.think_time,

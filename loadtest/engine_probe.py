@@ -1,16 +1,22 @@
 """Optional reads of a vLLM `/metrics` endpoint while the load runs (`--metrics-url`).
 
-The load tester stays an outside client; this only reads what the engine publishes. One scrape
-per request, fired when its first token arrives (the moment its prompt's KV blocks are all
-allocated), gives the KV-cache usage per request and so per turn; scrapes before and after a
-run give counter deltas (prefix-cache hit rate, preemptions). A scrape in flight is never
-doubled: a request whose first token arrives meanwhile shares that scrape's result.
+The load tester stays an outside client; this only reads what the engine publishes. While a run
+is in progress the endpoint is sampled every `interval_s` (and once more when a request's first
+token arrives); each request is then credited with the highest KV-cache usage among the samples
+taken while it was in flight, which gives the KV-cache usage per request and so per turn.
+Scrapes before and after a run give counter deltas (prefix-cache hit rate, preemptions).
+The tiny model answers in a few milliseconds once its prompt is processed, so short requests
+may see no sample at all (their `engine` stays empty): use a shorter interval or more tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import httpx
 
@@ -60,14 +66,29 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
     return deltas
 
 
-class EngineProbe:
-    """Scrapes one `/metrics` URL on demand with its own short timeout."""
+@dataclass(frozen=True)
+class Sample:
+    """One scrape: when it started and ended (run clock, seconds) and the values read."""
 
-    def __init__(self, url: str, *, http: httpx.AsyncClient, timeout_s: float = 5.0) -> None:
+    start: float
+    end: float
+    values: dict[str, float]
+
+
+class EngineProbe:
+    """Scrapes one `/metrics` URL: on demand, and periodically while sampling is on."""
+
+    def __init__(self, url: str, *, http: httpx.AsyncClient, timeout_s: float = 5.0,
+                 interval_s: float = 0.1, clock: Callable[[], float] = time.perf_counter) -> None:
         self.url = url
         self._http = http
         self._timeout_s = timeout_s
+        self._interval_s = interval_s
+        self._clock = clock
         self._inflight: asyncio.Task | None = None
+        self._sampler: asyncio.Task | None = None
+        self._origin = 0.0
+        self.samples: list[Sample] = []
         self.failures = 0
 
     async def scrape(self) -> dict[str, float] | None:
@@ -80,8 +101,45 @@ class EngineProbe:
             return None
         return parse_metrics(response.text)
 
+    async def _sample_once(self) -> None:
+        start = self._clock() - self._origin
+        values = await self.scrape()
+        if values is not None:
+            self.samples.append(Sample(start, self._clock() - self._origin, values))
+
     def sample(self) -> asyncio.Task:
-        """A task resolving to a scrape; shares the one in flight if there is one."""
+        """Take a sample now, unless one is already in flight (then share that one)."""
         if self._inflight is None or self._inflight.done():
-            self._inflight = asyncio.ensure_future(self.scrape())
+            self._inflight = asyncio.ensure_future(self._sample_once())
         return self._inflight
+
+    def start_sampling(self, origin: float) -> None:
+        """Sample every `interval_s` from now on; sample times are relative to `origin`."""
+        self._origin = origin
+        self.samples = []
+
+        async def loop() -> None:
+            while True:
+                await self.sample()
+                await asyncio.sleep(self._interval_s)
+
+        self._sampler = asyncio.ensure_future(loop())
+
+    async def stop_sampling(self) -> None:
+        if self._sampler is not None:
+            self._sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sampler
+            self._sampler = None
+        if self._inflight is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._inflight
+
+
+def during(samples: list[Sample], start: float, end: float) -> dict[str, float] | None:
+    """The values of the sample with the highest KV-cache usage overlapping [start, end]."""
+    overlapping = [s for s in samples if s.end >= start and s.start <= end]
+    if not overlapping:
+        return None
+    best = max(overlapping, key=lambda s: s.values.get("vllm:kv_cache_usage_perc", 0.0))
+    return best.values

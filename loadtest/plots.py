@@ -65,7 +65,15 @@ def write_plots(results: Sequence[RunResult], directory: Path) -> list[str]:
     _distribution(plt, itl, "ITL (gaps between token chunks)", directory / "itl.png")
     written.append("itl.png")
 
-    fig, axes = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
+    sampled = [r for r in results if r.engine.get("samples")]
+    fig, axes = plt.subplots(3 if sampled else 2, 1, figsize=(11, 8 if sampled else 6),
+                             sharex=True)
+    for result in sampled:
+        samples = [s for s in result.engine["samples"] if s[1] is not None]
+        axes[2].plot([s[0] for s in samples], [s[1] * 100 for s in samples], "-",
+                     label=_name(result))
+    if sampled:
+        axes[2].set_ylabel("KV-cache usage (%)")
     for result in results:
         ok = [x for x in result.measured if x.ok]
         failed = [x for x in result.measured if not x.ok]
@@ -78,7 +86,7 @@ def write_plots(results: Sequence[RunResult], directory: Path) -> list[str]:
                          color=line.get_color(), label=f"{_name(result)} failed")
     axes[0].set_ylabel("TTFT (ms)")
     axes[1].set_ylabel("E2E latency (ms)")
-    axes[1].set_xlabel("send time since the start of the run (s)")
+    axes[-1].set_xlabel("time since the start of the run (s)")
     axes[0].set_title("Latency over time")
     for axis in axes:
         axis.grid(alpha=0.3)

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from loadtest.client import ChatClient
-from loadtest.engine_probe import EngineProbe, counter_deltas
+from loadtest.engine_probe import EngineProbe, counter_deltas, during
 from loadtest.records import RequestRecord
 from loadtest.scenarios import Session
 from loadtest.schedule import arrival_times
@@ -124,7 +124,6 @@ class Runner:
         self._on_record = on_record
         self._clock = clock
         self._records: list[RequestRecord] = []
-        self._probe_tasks: list[asyncio.Task] = []
         self._issued = 0
         self._measured = 0
         self._measure_start: float | None = None
@@ -135,6 +134,8 @@ class Runner:
     async def run(self) -> RunResult:
         before = await self._probe.scrape() if self._probe else None
         self._origin = self._clock()
+        if self._probe:
+            self._probe.start_sampling(self._origin)
         if self._shape.rate is None:
             workers = [asyncio.create_task(self._user()) for _ in range(self._shape.concurrency)]
             await _gather_all(workers)
@@ -143,13 +144,18 @@ class Runner:
                 self._ceiling = asyncio.Semaphore(self._shape.concurrency)
             await self._open_loop()
         wall = self._clock() - self._origin
-        if self._probe_tasks:
-            await asyncio.gather(*self._probe_tasks)
-        engine = {}
-        if self._probe and before is not None:
+        engine: dict = {}
+        if self._probe:
+            await self._probe.stop_sampling()
+            for record in self._records:
+                record.engine = during(self._probe.samples, record.sent_s, record.end_s)
             after = await self._probe.scrape()
-            if after is not None:
+            if before is not None and after is not None:
                 engine = counter_deltas(before, after)
+            engine["samples"] = [[round(s.start, 4), s.values.get("vllm:kv_cache_usage_perc"),
+                                  s.values.get("vllm:num_requests_running"),
+                                  s.values.get("vllm:num_requests_waiting")]
+                                 for s in self._probe.samples]
         records = sorted(self._records, key=lambda r: r.sent_s)
         return RunResult(self._target, self._run, self._shape, records, wall, engine)
 
@@ -240,17 +246,10 @@ class Runner:
                 await asyncio.sleep(self._think_time_s)
 
     def _first_token_hook(self, record: RequestRecord) -> Callable[[], None] | None:
+        """With a probe: one extra sample when a request's first token arrives."""
         if self._probe is None:
             return None
-        probe = self._probe
-
-        def hook() -> None:
-            async def fill() -> None:
-                record.engine = await probe.sample()
-
-            self._probe_tasks.append(asyncio.ensure_future(fill()))
-
-        return hook
+        return self._probe.sample
 
 
 async def _gather_all(tasks: list[asyncio.Task]) -> None:

@@ -125,3 +125,14 @@ vllm:num_requests_waiting NaN
     before = {"vllm:prefix_cache_queries_total": 60.0, "vllm:prefix_cache_hits_total": 10.0}
     deltas = counter_deltas(before, values)
     assert deltas["prefix_cache_hit_rate"] == pytest.approx(30 / 40)
+
+
+def test_each_request_gets_the_highest_sample_while_it_was_in_flight():
+    from loadtest.engine_probe import Sample, during
+
+    samples = [Sample(0.0, 0.01, {"vllm:kv_cache_usage_perc": 0.1}),
+               Sample(0.10, 0.11, {"vllm:kv_cache_usage_perc": 0.3}),
+               Sample(0.20, 0.21, {"vllm:kv_cache_usage_perc": 0.2})]
+    assert during(samples, 0.05, 0.25)["vllm:kv_cache_usage_perc"] == 0.3
+    assert during(samples, 0.15, 0.25)["vllm:kv_cache_usage_perc"] == 0.2
+    assert during(samples, 0.012, 0.09) is None

@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 from prometheus_client import CollectorRegistry
@@ -139,7 +139,7 @@ class _EngineState:
     snapshot: EngineSnapshot | None = None  # from the last good scrape; dropped when a scrape fails
     last_success: float | None = None  # unix time of the last good scrape
     last_error: str | None = None
-    scrapes: int = field(default=0)  # attempts, good or bad
+    scrapes: int = 0  # attempts, good or bad
 
 
 class EngineMetricsCollector(Collector):

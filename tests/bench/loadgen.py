@@ -1,0 +1,355 @@
+"""A lean closed-loop load generator for streaming chat completions, run as its own process.
+
+Each of `concurrency` workers keeps one keep-alive HTTP/1.1 connection and sends the same streaming
+request again as soon as the previous answer ended. The client is a hand-written asyncio Protocol
+(on uvloop when installed) that only de-chunks the body and counts SSE events, so that one core
+can drive hundreds of streams and the proxy under test, not the client, is what gets measured.
+
+What it records inside the measurement window (after a warm-up):
+- time to first token: from writing the request to the arrival of the first content event (for a
+  chat stream the second event; the first only carries the role);
+- chunks: SSE events received (`data: [DONE]` excluded), requests completed;
+- errors: non-200 answers, connections that break, streams without `data: [DONE]`, error events,
+  answers slower than the per-request timeout;
+- CPU seconds of the process trees named with `--cpu NAME=PID` (read from /proc at the window edges).
+
+Usage: python -m tests.bench.loadgen --url http://127.0.0.1:8000 --model standin --concurrency 64
+       --duration 8 [--warmup 2] [--cpu proxy=1234] ; prints one JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import resource
+import statistics
+import sys
+import time
+from urllib.parse import urlsplit
+
+from tests.bench.proctree import tree_cpu_seconds
+
+EVENT_END = b"\n\n"
+DONE = b"data: [DONE]"
+ERROR_EVENT = b'data: {"error"'
+
+
+class _Response:
+    """The outcome of one request on a connection."""
+
+    __slots__ = ("status", "events", "first_token_at", "done", "error", "body_error")
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.events = 0
+        self.first_token_at = 0.0
+        self.done = False
+        self.error = ""
+        self.body_error = False
+
+
+class _Connection(asyncio.Protocol):
+    """One HTTP/1.1 keep-alive connection running one request at a time; counts SSE events."""
+
+    def __init__(self, stats: _Counters, first_token_event: int):
+        self.stats = stats
+        self.first_token_event = first_token_event
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.waiter: asyncio.Future | None = None
+        self.response: _Response | None = None
+        self._reset_parser()
+
+    def _reset_parser(self) -> None:
+        self.buffer = b""
+        self.in_head = True
+        self.chunked = False
+        self.remaining = 0  # content-length bytes left, or bytes left in the current chunk
+        self.chunk_trailer = False  # expecting the CRLF after a chunk's data
+        self.tail = b""  # the last byte of the body seen, to count event ends split across reads
+        self.keep_alive = True
+
+    # -- asyncio.Protocol --
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        if self.waiter is not None and not self.waiter.done():
+            self.response.error = "connection closed mid-response"
+            self.waiter.set_result(self.response)
+
+    def data_received(self, data: bytes) -> None:
+        if self.response is None:
+            return
+        if self.in_head:
+            self.buffer += data
+            end = self.buffer.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head, data = self.buffer[:end], self.buffer[end + 4 :]
+            self.buffer = b""
+            self.in_head = False
+            lines = head.split(b"\r\n")
+            self.response.status = int(lines[0].split(b" ", 2)[1])
+            for line in lines[1:]:
+                name, _, value = line.partition(b":")
+                name = name.strip().lower()
+                if name == b"transfer-encoding" and b"chunked" in value.lower():
+                    self.chunked = True
+                elif name == b"content-length":
+                    self.remaining = int(value.strip())
+                elif name == b"connection" and b"close" in value.lower():
+                    self.keep_alive = False
+            if not self.chunked and self.remaining == 0:
+                self._finish()
+                return
+        if self.chunked:
+            self._chunked(data)
+        else:
+            take = data[: self.remaining]
+            self.remaining -= len(take)
+            self._body(take)
+            if self.remaining <= 0:
+                self._finish()
+
+    def _chunked(self, data: bytes) -> None:
+        buffer = self.buffer + data if self.buffer else data
+        self.buffer = b""
+        position = 0
+        size = len(buffer)
+        while position < size:
+            if self.remaining:
+                take = buffer[position : position + self.remaining]
+                self.remaining -= len(take)
+                position += len(take)
+                self._body(take)
+                if self.remaining == 0:
+                    self.chunk_trailer = True
+                continue
+            if self.chunk_trailer:
+                if size - position < 2:
+                    break
+                position += 2
+                self.chunk_trailer = False
+                continue
+            line_end = buffer.find(b"\r\n", position)
+            if line_end < 0:
+                break
+            chunk_size = int(buffer[position:line_end].split(b";", 1)[0], 16)
+            if chunk_size == 0:
+                if size < line_end + 4:
+                    break  # wait for the CRLF that ends the body (no trailers expected)
+                self._finish()
+                return
+            self.remaining = chunk_size
+            position = line_end + 2
+        self.buffer = buffer[position:]
+
+    def _body(self, piece: bytes) -> None:
+        response = self.response
+        tail = self.tail
+        events = piece.count(EVENT_END) + (tail[-1:] == b"\n" and piece[:1] == b"\n")
+        joined = tail + piece
+        self.tail = joined[-16:]  # long enough to find `data: [DONE]` split across two reads
+        if not events or response.status != 200:
+            return
+        before = response.events
+        response.events = before + events
+        if before < self.first_token_event <= response.events:
+            response.first_token_at = time.perf_counter()
+        if not response.done and DONE in joined:
+            response.done = True
+            response.events -= 1
+        if ERROR_EVENT in joined:
+            response.body_error = True
+        self.stats.chunks += response.events - before
+
+    def _finish(self) -> None:
+        response, self.response = self.response, None
+        waiter, self.waiter = self.waiter, None
+        keep_alive = self.keep_alive
+        self._reset_parser()
+        if not keep_alive and self.transport is not None:
+            self.transport.close()
+        if waiter is not None and not waiter.done():
+            waiter.set_result(response)
+
+    def request(self, payload: bytes) -> asyncio.Future:
+        self.response = _Response()
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(payload)
+        return self.waiter
+
+
+class _Counters:
+    __slots__ = ("chunks", "completed", "recording", "ttfts", "errors")
+
+    def __init__(self) -> None:
+        self.chunks = 0
+        self.completed = 0
+        self.recording = False
+        self.ttfts: list[float] = []
+        self.errors: dict[str, int] = {}
+
+
+def build_request(host: str, port: int, path: str, body: dict) -> bytes:
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
+        f"accept: text/event-stream\r\ncontent-length: {len(data)}\r\n\r\n"
+    )
+    return head.encode() + data
+
+
+async def _worker(host, port, payload, counters, first_token_event, stop: asyncio.Event, timeout: float):
+    loop = asyncio.get_running_loop()
+    connection: _Connection | None = None
+    while not stop.is_set():
+        try:
+            if connection is None or connection.closed:
+                _, connection = await asyncio.wait_for(
+                    loop.create_connection(lambda: _Connection(counters, first_token_event), host, port), timeout
+                )
+            started = time.perf_counter()
+            recording = counters.recording
+            response = await asyncio.wait_for(connection.request(payload), timeout)
+        except (OSError, asyncio.TimeoutError) as exc:
+            if counters.recording:
+                kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else f"connect: {type(exc).__name__}"
+                counters.errors[kind] = counters.errors.get(kind, 0) + 1
+            if connection is not None and connection.transport is not None:
+                connection.transport.close()
+            connection = None
+            await asyncio.sleep(0.05)
+            continue
+        if not (recording and counters.recording):
+            continue
+        error = response.error
+        if not error and response.status != 200:
+            error = f"status {response.status}"
+        elif not error and response.body_error:
+            error = "error event in stream"
+        elif not error and not response.done:
+            error = "stream ended without [DONE]"
+        if error:
+            counters.errors[error] = counters.errors.get(error, 0) + 1
+            continue
+        counters.completed += 1
+        if response.first_token_at:
+            counters.ttfts.append((response.first_token_at - started) * 1000)
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def run_load(
+    url: str,
+    *,
+    model: str,
+    concurrency: int,
+    duration: float,
+    warmup: float,
+    cpu_pids: dict[str, int],
+    timeout: float = 60.0,
+    body_extra: dict | None = None,
+) -> dict:
+    """Drive `concurrency` streams at `url` for warmup + duration seconds; the window's figures."""
+    parts = urlsplit(url)
+    host, port = parts.hostname, parts.port or 80
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Say hello to the benchmark"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **(body_extra or {}),
+    }
+    payload = build_request(host, port, "/v1/chat/completions", body)
+    counters = _Counters()
+    stop = asyncio.Event()
+    workers = [
+        asyncio.create_task(_worker(host, port, payload, counters, 2, stop, timeout)) for _ in range(concurrency)
+    ]
+    await asyncio.sleep(warmup)
+    cpu_before = {name: tree_cpu_seconds(pid) for name, pid in cpu_pids.items()}
+    own_before = _own_cpu()
+    chunks_before = counters.chunks
+    started = time.perf_counter()
+    counters.recording = True
+    await asyncio.sleep(duration)
+    counters.recording = False
+    elapsed = time.perf_counter() - started
+    chunks = counters.chunks - chunks_before
+    cpu = {name: tree_cpu_seconds(pid) - cpu_before[name] for name, pid in cpu_pids.items()}
+    cpu["loadgen"] = _own_cpu() - own_before
+    stop.set()
+    _, pending = await asyncio.wait(workers, timeout=min(timeout, 15.0))  # let answers in flight end
+    for task in pending:
+        task.cancel()
+    ttfts = counters.ttfts
+    return {
+        "url": url,
+        "concurrency": concurrency,
+        "window_s": round(elapsed, 3),
+        "requests": counters.completed,
+        "chunks": chunks,
+        "requests_per_s": counters.completed / elapsed,
+        "chunks_per_s": chunks / elapsed,
+        "errors": sum(counters.errors.values()),
+        "error_kinds": counters.errors,
+        "ttft_ms": {
+            "p50": statistics.median(ttfts) if ttfts else None,
+            "p90": _percentile(ttfts, 0.9),
+            "p99": _percentile(ttfts, 0.99),
+            "mean": statistics.fmean(ttfts) if ttfts else None,
+            "n": len(ttfts),
+        },
+        "cpu_s": cpu,
+    }
+
+
+def _own_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _use_uvloop() -> None:
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tests.bench.loadgen", description=__doc__.split("\n")[0])
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--model", default="standin")
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--duration", type=float, default=8.0)
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--cpu", action="append", default=[], help="NAME=PID: measure that process tree's CPU")
+    parser.add_argument("--body-extra", default="{}", help="JSON merged into the request body")
+    args = parser.parse_args(argv)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
+    cpu_pids = {name: int(pid) for name, _, pid in (item.partition("=") for item in args.cpu)}
+    _use_uvloop()
+    result = asyncio.run(
+        run_load(
+            args.url, model=args.model, concurrency=args.concurrency, duration=args.duration,
+            warmup=args.warmup, cpu_pids=cpu_pids, timeout=args.timeout, body_extra=json.loads(args.body_extra),
+        )
+    )  # fmt: skip
+    json.dump(result, sys.stdout)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The processes a benchmark starts: pinned to a core, logged to files, and stopped by their own ids."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+PYTHON = sys.executable
+
+
+@dataclass
+class Started:
+    """A process a benchmark started (the leader of its own process group)."""
+
+    name: str
+    argv: list[str]
+    process: subprocess.Popen
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+
+class Processes:
+    """Starts processes pinned with `taskset`; `close()` stops every one of them, and only them."""
+
+    def __init__(self, log_dir: Path | None = None):
+        self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="bench-logs-"))
+        self.started: list[Started] = []
+        self.taskset = shutil.which("taskset")
+
+    def pinned(self, core: int | None, argv: list[str]) -> list[str]:
+        if core is None or self.taskset is None:
+            return argv
+        return [self.taskset, "-c", str(core), *argv]
+
+    def start(self, name: str, argv: list[str], *, core: int | None, env: dict | None = None) -> Started:
+        log = self.log_dir / f"{name}.log"
+        full = self.pinned(core, argv)
+        with open(log, "wb") as out:
+            process = subprocess.Popen(
+                full, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, env={**os.environ, **(env or {})},
+            )  # fmt: skip
+        started = Started(name, full, process, log)
+        self.started.append(started)
+        return started
+
+    def stop(self, started: Started, timeout: float = 10.0) -> None:
+        if started.process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(started.pid, signal.SIGTERM)
+        try:
+            started.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(started.pid, signal.SIGKILL)
+            started.process.wait(5)
+
+    def close(self) -> None:
+        for started in reversed(self.started):
+            self.stop(started)
+
+    def __enter__(self) -> Processes:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def wait_chat_ready(started: Started, base_url: str, model: str, timeout: float = 60.0) -> str | None:
+    """Poll with a small streaming chat request until it answers 200; None, or why it never did."""
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    body = {"model": model, "messages": [{"role": "user", "content": "ready?"}], "stream": True, "max_tokens": 2}
+    with httpx.Client(timeout=httpx.Timeout(5.0)) as client:
+        while time.monotonic() < deadline:
+            if started.process.poll() is not None:
+                return f"exited with status {started.process.returncode}:\n{started.log_tail()}"
+            try:
+                with client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as response:
+                    text = response.read().decode(errors="replace")
+                if response.status_code == 200 and "[DONE]" in text:
+                    return None
+                last = f"status {response.status_code}: {text[:200]}"
+            except httpx.HTTPError as exc:
+                last = repr(exc)
+            time.sleep(0.2)
+    return f"not ready within {timeout:.0f} s (last: {last})\n{started.log_tail()}"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,43 @@
+"""CPU time of a whole process tree, read from /proc (Linux), for CPU-per-chunk figures."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return text[text.rfind(")") + 2 :].split()  # fields from `state` on; comm may hold spaces
+
+
+def tree_pids(root: int) -> list[int]:
+    """`root` and every live descendant of it."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        fields = _stat_fields(int(entry.name))
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, ()))
+    return out
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of `root` and its live descendants, plus their reaped children."""
+    total = 0
+    for pid in tree_pids(root):
+        fields = _stat_fields(pid)
+        if fields is not None:
+            total += sum(int(value) for value in fields[11:15])  # utime stime cutime cstime
+    return total / CLOCK_TICKS

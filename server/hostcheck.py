@@ -1,0 +1,148 @@
+"""Refuse, before anything starts, a profile that cannot run on this host, and say why.
+
+A vLLM engine that cannot work usually says so only after 40 s of imports (fp8 KV cache on an
+AVX2 CPU) or not at all (a max-model-len the KV memory cannot hold). These checks run in a
+second, at `python -m server check` and before every launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from server.planner import PlanError, load_model_config, plan_profile, text_config
+from server.profiles import FP8_KV_CACHE_DTYPES, Profile, ProfileError, load_profile, resolve_profile_path
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    """The facts about this machine the checks depend on (injected in tests)."""
+
+    machine: str
+    cpu_flags: frozenset[str] = field(default_factory=frozenset)
+    gpu_count: int = 0
+
+    @classmethod
+    def detect(cls) -> HostInfo:
+        """This machine. SERVER_HOST_CPU_FLAGS (comma-separated) replaces the CPU flags read
+        from /proc/cpuinfo, so the refusals can be shown on any host."""
+        override = os.environ.get("SERVER_HOST_CPU_FLAGS")
+        if override is not None:
+            return cls(machine=platform.machine(), gpu_count=_count_gpus(),
+                       cpu_flags=frozenset(f.strip() for f in override.split(",") if f.strip()))
+        flags: set[str] = set()
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("flags"):
+                    flags.update(line.partition(":")[2].split())
+                    break
+        except OSError:
+            pass
+        return cls(machine=platform.machine(), cpu_flags=frozenset(flags), gpu_count=_count_gpus())
+
+    @property
+    def is_x86(self) -> bool:
+        return self.machine in {"x86_64", "AMD64", "i686"}
+
+    @property
+    def has_avx512_or_amx(self) -> bool:
+        return "avx512f" in self.cpu_flags or any(f.startswith("amx") for f in self.cpu_flags)
+
+
+def _count_gpus() -> int:
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+def check_profile(profile: Profile, host: HostInfo | None = None) -> list[str]:
+    """Every reason this profile cannot run here; an empty list means go."""
+    host = host or HostInfo.detect()
+    problems: list[str] = []
+    dtype = profile.kv_cache_dtype
+
+    if profile.device == "cpu":
+        if host.is_x86 and not ({"avx2", "avx512f"} & host.cpu_flags):
+            problems.append("vLLM's CPU backend needs AVX2 or AVX-512 on x86; this CPU has neither")
+        if dtype in FP8_KV_CACHE_DTYPES and not (host.is_x86 and host.has_avx512_or_amx):
+            problems.append(
+                f"kv-cache-dtype {dtype} on CPU needs x86 with AVX-512 or AMX; this CPU "
+                f"({host.machine}, {'AVX2' if 'avx2' in host.cpu_flags else 'no AVX2'}) has neither. "
+                "vLLM would fail about 40 s after launch with 'FP8 KV cache on CPU requires x86 "
+                "with AVX-512 or AMX.' Use kv-cache-dtype: auto"
+            )
+    else:
+        gpus_needed = profile.tensor_parallel_size * profile.pipeline_parallel_size
+        if host.gpu_count == 0:
+            problems.append("this is a GPU profile (device: gpu) and this host has no NVIDIA GPU "
+                            "(nvidia-smi finds none); use a CPU profile such as tiny-cpu")
+        elif host.gpu_count < gpus_needed:
+            problems.append(f"tensor x pipeline parallel size is {gpus_needed} GPUs; this host has "
+                            f"{host.gpu_count}")
+
+    path = profile.model_path
+    if path is not None and not path.exists() and not profile.build_tiny_model:
+        problems.append(f"model path {path} does not exist")
+
+    try:
+        config, config_path = load_model_config(profile)
+    except PlanError:
+        return problems  # a hub model without a shipped config: nothing more to check offline
+    limit = model_max_len(config)
+    if profile.max_model_len and limit and profile.max_model_len > limit:
+        problems.append(f"max-model-len {profile.max_model_len} is above the model's limit of "
+                        f"{limit} tokens ({config_path})")
+    try:
+        plan = plan_profile(profile, config=config)
+    except PlanError:
+        return problems  # no memory figure (GPU without --device-memory): vLLM will size it
+    if plan.max_concurrent_sequences < 1:
+        problems.append(
+            f"the KV cache ({plan.kv_memory_bytes / 2**20:,.0f} MiB = {plan.kv_cache_tokens:,} tokens) "
+            f"cannot hold one sequence of max-model-len {plan.max_model_len:,} tokens; raise "
+            "VLLM_CPU_KVCACHE_SPACE or lower max-model-len"
+        )
+    return problems
+
+
+def model_max_len(config: dict) -> int | None:
+    """The longest context the model supports: max_position_embeddings, stretched by
+    rope scaling factors that extend it (yarn, dynamic, linear)."""
+    cfg = text_config(config)
+    base = cfg.get("max_position_embeddings")
+    if not base:
+        return None
+    scaling = cfg.get("rope_scaling") or {}
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind in {"yarn", "dynamic", "linear"} and scaling.get("factor"):
+        original = scaling.get("original_max_position_embeddings") or base
+        return int(max(base, original * float(scaling["factor"])))
+    return int(base)
+
+
+def refuse_message(profile: Profile, problems: list[str]) -> str:
+    return f"profile {profile.name} cannot run on this host:\n" + "\n".join(f"  - {p}" for p in problems)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        profile = load_profile(resolve_profile_path(args.profile))
+    except ProfileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    problems = check_profile(profile)
+    if problems:
+        print(refuse_message(profile, problems), file=sys.stderr)
+        return 1
+    print(f"profile {profile.name}: OK on this host")
+    return 0

@@ -1,0 +1,250 @@
+"""Runs one vLLM engine from a profile and keeps it running.
+
+The supervisor starts the engine in its own process group (vLLM forks an engine-core process
+and more), streams its log with a `[engine NAME]` prefix, waits for `/health`, reports how long
+start-up took, restarts a crashed engine with exponential backoff, and on stop terminates the
+whole process tree: SIGTERM to the group, SIGKILL to whatever is left after the grace period.
+The `engine` command and the gateway's `up` command both use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+from collections import deque
+
+import httpx
+
+from server.hostcheck import check_profile, refuse_message
+from server.profiles import Profile, ProfileError, load_profile, resolve_profile_path
+from server.render import engine_argv, render_shell
+
+log = logging.getLogger("server.supervisor")
+
+# A crash after this long of healthy running starts the backoff over.
+STABLE_AFTER_S = 60.0
+
+
+class EngineStartError(RuntimeError):
+    """The engine did not become ready (it exited, or /health never answered in time)."""
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Ask Linux to SIGTERM the engine if the supervisor itself dies without cleaning up."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class EngineSupervisor:
+    """Start, watch, restart and stop one vLLM engine of a profile."""
+
+    def __init__(self, profile: Profile, *, host: str = "127.0.0.1", port: int, name: str | None = None,
+                 max_restarts: int = 5, ready_timeout: float = 600.0,
+                 health_interval: float = 2.0, argv: list[str] | None = None) -> None:
+        self.profile = profile
+        self.host = host
+        self.port = port
+        self.name = name or f"{profile.served_model_name}:{port}"
+        self.max_restarts = max_restarts
+        self.ready_timeout = ready_timeout
+        self.health_interval = health_interval
+        self.argv = argv or engine_argv(profile, host=host, port=port)
+        self.env = {**os.environ, **profile.env, "PYTHONUNBUFFERED": "1"}
+        self.url = f"http://{host}:{port}"
+        self.restarts = 0
+        self.last_lines: deque[str] = deque(maxlen=40)
+        self._process: asyncio.subprocess.Process | None = None
+        self._stopping = False
+        self._ready = asyncio.Event()
+        self._failed: EngineStartError | None = None
+        self._monitor: asyncio.Task | None = None
+        self._started_at = 0.0
+        self._ready_at = 0.0
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    async def start(self) -> None:
+        """Launch the engine and watch it in the background; returns at once."""
+        self._stopping = False
+        await self._spawn()
+        self._monitor = asyncio.create_task(self._watch(), name=f"supervise {self.name}")
+
+    async def _spawn(self) -> None:
+        self._ready.clear()
+        self._started_at = time.perf_counter()
+        log.info("[engine %s] starting: %s", self.name, render_shell(self.argv, self.profile.env))
+        self._process = await asyncio.create_subprocess_exec(
+            *self.argv, env=self.env, stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True, preexec_fn=_die_with_parent,
+        )
+
+    async def _watch(self) -> None:
+        """Pump the log, detect readiness, restart after crashes until stopped or out of tries."""
+        crashes = 0
+        while True:
+            process = self._process
+            assert process is not None
+            pump = asyncio.create_task(self._pump(process))
+            probe = asyncio.create_task(self._probe_until_ready(process))
+            code = await process.wait()
+            probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await probe
+            await pump
+            if self._stopping:
+                return
+            ran_for = time.perf_counter() - self._started_at
+            crashes = 1 if self._ready.is_set() and ran_for > STABLE_AFTER_S else crashes + 1
+            if crashes > self.max_restarts:
+                self._fail(f"engine {self.name} exited with code {code} {crashes} times in a row; "
+                           "giving up. Last log lines:\n" + "\n".join(self.last_lines))
+                return
+            delay = min(2.0 ** (crashes - 1), 30.0)
+            log.warning("[engine %s] exited with code %s after %.1f s; restart %d/%d in %.0f s",
+                        self.name, code, ran_for, crashes, self.max_restarts, delay)
+            await asyncio.sleep(delay)
+            if self._stopping:
+                return
+            self.restarts += 1
+            await self._spawn()
+
+    def _fail(self, message: str) -> None:
+        log.error("[engine %s] %s", self.name, message)
+        self._failed = EngineStartError(message)
+        self._ready.set()  # wake waiters; they see _failed
+
+    async def _pump(self, process: asyncio.subprocess.Process) -> None:
+        assert process.stdout is not None
+        prefix = f"[engine {self.name}] "
+        while line := await process.stdout.readline():
+            text = line.decode(errors="replace").rstrip()
+            self.last_lines.append(text)
+            sys.stderr.write(prefix + text + "\n")
+
+    async def _probe_until_ready(self, process: asyncio.subprocess.Process) -> None:
+        deadline = time.perf_counter() + self.ready_timeout
+        async with httpx.AsyncClient(timeout=httpx.Timeout(2.0)) as client:
+            while process.returncode is None:
+                try:
+                    if (await client.get(f"{self.url}/health")).status_code == 200:
+                        self._ready_at = time.perf_counter()
+                        log.info("[engine %s] ready at %s in %.1f s", self.name, self.url,
+                                 self._ready_at - self._started_at)
+                        self._ready.set()
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.perf_counter() > deadline:
+                    self._fail(f"engine {self.name} did not answer /health within "
+                               f"{self.ready_timeout:.0f} s")
+                    return
+                await asyncio.sleep(0.5)
+
+    async def wait_ready(self) -> float:
+        """Wait until the engine answers /health; returns the start-up time in seconds."""
+        await self._ready.wait()
+        if self._failed is not None:
+            raise self._failed
+        return self._ready_at - self._started_at
+
+    async def stop(self, timeout: float = 20.0) -> None:
+        """Stop the engine and every process it started."""
+        self._stopping = True
+        process = self._process
+        if process is not None and process.returncode is None:
+            log.info("[engine %s] stopping (pid %d)", self.name, process.pid)
+            terminate_tree(process.pid, timeout_hint=timeout)
+            try:
+                await asyncio.wait_for(process.wait(), timeout)
+            except TimeoutError:
+                log.warning("[engine %s] did not stop in %.0f s; killing", self.name, timeout)
+        if process is not None:
+            kill_group(process.pid)  # whatever outlived the leader in its group
+            with contextlib.suppress(ProcessLookupError):
+                await asyncio.wait_for(process.wait(), 5)
+        if self._monitor is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+        log.info("[engine %s] stopped", self.name)
+
+
+def terminate_tree(pid: int, timeout_hint: float = 20.0) -> None:
+    """SIGTERM the process group led by `pid` (vLLM shuts its engine core down on SIGTERM)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGTERM)
+
+
+def kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def prepare(profile: Profile) -> None:
+    """Refuse what cannot run (raises EngineStartError), and build the tiny model if asked."""
+    problems = check_profile(profile)
+    if problems:
+        raise EngineStartError(refuse_message(profile, problems))
+    path = profile.model_path
+    if profile.build_tiny_model and path is not None and not (path / "config.json").exists():
+        from server.tinymodel import build_tiny_model
+
+        build_tiny_model(path, log=lambda msg: log.info("[tiny-model] %s", msg))
+
+
+async def run_engine(profile: Profile, host: str, port: int, max_restarts: int, ready_timeout: float) -> int:
+    supervisor = EngineSupervisor(profile, host=host, port=port, max_restarts=max_restarts,
+                                  ready_timeout=ready_timeout)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await supervisor.start()
+    ready = asyncio.create_task(supervisor.wait_ready())
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({ready, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if ready.done():
+        try:
+            seconds = ready.result()
+            print(f"engine {supervisor.name} ready: {supervisor.url}/v1 (model {profile.served_model_name}, "
+                  f"started in {seconds:.1f} s)", flush=True)
+        except EngineStartError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            code = 1
+    if code == 0:
+        monitor = supervisor._monitor
+        assert monitor is not None
+        await asyncio.wait({stopper, monitor}, return_when=asyncio.FIRST_COMPLETED)
+        if monitor.done() and not stop.is_set():
+            code = 1  # gave up after repeated crashes
+    ready.cancel()
+    stopper.cancel()
+    await supervisor.stop()
+    return code
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    try:
+        profile = load_profile(resolve_profile_path(args.profile))
+        prepare(profile)
+    except ProfileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except EngineStartError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return asyncio.run(run_engine(profile, args.host, args.port, args.max_restarts, args.ready_timeout))

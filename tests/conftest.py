@@ -1,0 +1,107 @@
+"""Session-wide fixtures: one real vLLM engine on the tiny model, shared by every test that needs it.
+
+The engine is started through the project's own supervisor (`python -m server engine`), exactly
+as an operator would, once per session (about 40 s). Set TEST_ENGINE_URL to reuse an engine that
+already runs (while developing); then the supervisor tests that stop the engine are skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.profiles import Profile, load_profile
+from tests.support import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_PROFILE = ROOT / "configs" / "profiles" / "tiny-cpu.yaml"
+ENGINE_START_TIMEOUT = float(os.environ.get("TEST_ENGINE_START_TIMEOUT", "420"))
+
+
+@dataclass
+class RealEngine:
+    """A running vLLM engine serving the tiny model."""
+
+    url: str  # base URL, without /v1
+    model: str
+    profile: Profile
+    max_model_len: int
+    process: subprocess.Popen | None  # the supervisor, when this session started it
+    log_path: Path | None
+
+    @property
+    def openai_base_url(self) -> str:
+        return f"{self.url}/v1"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that stop the shared engine run last."""
+    items.sort(key=lambda item: item.get_closest_marker("stops_engine") is not None)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "stops_engine: stops the session's engine; runs last")
+
+
+@pytest.fixture(scope="session")
+def real_engine(tmp_path_factory) -> RealEngine:
+    profile = load_profile(TINY_PROFILE)
+    reuse = os.environ.get("TEST_ENGINE_URL")
+    if reuse:
+        url = reuse.rstrip("/").removesuffix("/v1")
+        models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
+        yield RealEngine(url, models[0]["id"], profile, models[0]["max_model_len"], None, None)
+        return
+
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("engine") / "engine.log"
+    log_file = log_path.open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "server", "engine", str(TINY_PROFILE), "--port", str(port)],
+        cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + ENGINE_START_TIMEOUT
+    started = time.monotonic()
+    while True:
+        if process.poll() is not None:
+            log_file.close()
+            pytest.fail(f"the engine supervisor exited with {process.returncode}:\n"
+                        + log_path.read_text()[-4000:])
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            _stop(process)
+            log_file.close()
+            pytest.fail(f"the engine did not become healthy in {ENGINE_START_TIMEOUT:.0f} s:\n"
+                        + log_path.read_text()[-4000:])
+        time.sleep(0.5)
+    sys.stderr.write(f"\n[tests] real vLLM engine ready at {url} in {time.monotonic() - started:.1f} s\n")
+    models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
+    engine = RealEngine(url, models[0]["id"], profile, models[0]["max_model_len"], process, log_path)
+    try:
+        yield engine
+    finally:
+        _stop(process)
+        log_file.close()
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)

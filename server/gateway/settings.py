@@ -7,6 +7,7 @@ along) or is named by URLs of engines that already run (`serve --upstream NAME=U
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -53,6 +54,8 @@ class Routing(_Strict):
     # Requests whose first `prefix_chars` characters of prompt are equal prefer one engine...
     prefix_affinity: bool = True
     prefix_chars: int = Field(default=1024, ge=16)
+    # Shorter prompts fit in less than one KV block; they gain nothing from affinity.
+    prefix_min_chars: int = Field(default=256, ge=0)
     # ...unless it already has this many more outstanding requests than the least loaded one.
     max_imbalance: int = Field(default=8, ge=1)
 
@@ -87,6 +90,16 @@ class ModelEngines(_Strict):
         return self
 
 
+@dataclass
+class ResolvedModel:
+    """One served model after the config and its profile are read together."""
+
+    name: str
+    urls: list[str]
+    profile: Profile | None
+    trimming: TrimmingConfig
+
+
 class GatewaySettings(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
@@ -110,6 +123,40 @@ class GatewaySettings(_Strict):
         if not path.is_absolute() and self.source is not None:
             path = self.source.parent / path
         return path
+
+    def resolve_models(self, profiles: dict[str, Profile]) -> list[ResolvedModel]:
+        """Each served model with its engine URLs, profile and trimming settings.
+
+        URLs are the given `urls`, or for a profile model the ports `up` launches its replicas
+        on: base_port + i, where a model without base_port continues after the previous one.
+        Trimming is the model's own `trimming`, else its profile's, else off.
+        """
+        out: dict[str, ResolvedModel] = {}
+        next_port = 8100
+        for model in self.models:
+            profile = self._profile_of(model, profiles)
+            name = model.name or (profile.served_model_name if profile else "")
+            if model.urls:
+                urls = list(model.urls)
+            else:
+                base = model.base_port or next_port
+                replicas = profile.replicas if profile else 1
+                urls = [f"http://127.0.0.1:{base + i}" for i in range(replicas)]
+                next_port = base + replicas
+            trimming = model.trimming or (profile.trimming if profile else TrimmingConfig(mode="off"))
+            if name in out:  # the same model named twice: more replicas
+                out[name].urls.extend(u.rstrip("/") for u in urls)
+            else:
+                out[name] = ResolvedModel(name, [u.rstrip("/") for u in urls], profile, trimming)
+        return list(out.values())
+
+    def _profile_of(self, model: ModelEngines, profiles: dict[str, Profile]) -> Profile | None:
+        if model.profile is None:
+            return None
+        if model.name and model.name in profiles:
+            return profiles[model.name]
+        loaded = load_profile(self.profile_path(model))  # type: ignore[arg-type]
+        return profiles.get(loaded.served_model_name, loaded)
 
     def load_profiles(self) -> dict[str, Profile]:
         """The profiles named by this config, by served model name."""

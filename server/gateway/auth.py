@@ -1,0 +1,81 @@
+"""Optional API keys: `Authorization: Bearer KEY`, checked in constant time, never logged.
+
+Keys come from an environment variable (comma-separated) and/or a file (one key a line, `#`
+comments). With no keys configured the gateway is open. `/health`, `/ready` and `/metrics`
+stay open unless `protect_ops_endpoints` is set, so probes and Prometheus need no key.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from server.gateway.errors import AuthenticationFailed, send_error
+from server.gateway.settings import Auth, SettingsError
+
+OPS_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
+
+def load_api_keys(config: Auth, environ: Mapping[str, str] | None = None,
+                  base: Path | None = None) -> list[bytes]:
+    """The accepted keys, from `config.api_keys_env` and `config.api_keys_file`."""
+    environ = os.environ if environ is None else environ
+    keys = [k.strip() for k in environ.get(config.api_keys_env, "").split(",")]
+    if config.api_keys_file:
+        path = Path(config.api_keys_file)
+        if not path.is_absolute() and base is not None:
+            path = base / path
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as exc:
+            raise SettingsError(f"auth.api_keys_file {path}: cannot read: {exc.strerror}") from None
+        keys += [line.strip() for line in lines if not line.strip().startswith("#")]
+    return [k.encode() for k in dict.fromkeys(keys) if k]
+
+
+def key_matches(presented: bytes, keys: list[bytes]) -> bool:
+    """Compare against every key (no early exit), each in constant time."""
+    found = False
+    for key in keys:
+        found |= hmac.compare_digest(presented, key)
+    return found
+
+
+def bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, token = value.strip().partition(b" ")
+            if scheme.lower() == b"bearer" and token.strip():
+                return token.strip()
+            return None
+    return None
+
+
+class AuthMiddleware:
+    """Pure-ASGI guard in front of everything but the ops endpoints (unless those are protected too)."""
+
+    def __init__(self, app: Any, *, keys: list[bytes], protect_ops: bool = False) -> None:
+        self.app = app
+        self.keys = keys
+        self.protect_ops = protect_ops
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not self.keys or scope["method"] == "OPTIONS" or (
+            not self.protect_ops and scope["path"] in OPS_PATHS
+        ):
+            await self.app(scope, receive, send)
+            return
+        token = bearer_token(scope["headers"])
+        if token is None:
+            await send_error(send, AuthenticationFailed(
+                "Missing API key: send it as `Authorization: Bearer YOUR_KEY`.",
+                headers=[(b"www-authenticate", b"Bearer")]))
+            return
+        if not key_matches(token, self.keys):
+            await send_error(send, AuthenticationFailed(
+                "Incorrect API key provided.", headers=[(b"www-authenticate", b"Bearer")]))
+            return
+        await self.app(scope, receive, send)

@@ -1,0 +1,146 @@
+"""Everything the gateway itself refuses, and the one place that turns it into an OpenAI error.
+
+    GatewayError                 status  type                   code
+    ├── InvalidRequest            400    invalid_request_error  (per case: invalid_json, ...)
+    ├── AuthenticationFailed      401    invalid_request_error  invalid_api_key
+    ├── RouteNotFound             404    invalid_request_error  not_found
+    ├── ModelNotFound             404    invalid_request_error  model_not_found
+    ├── MethodNotAllowed          405    invalid_request_error  method_not_allowed
+    ├── BodyTooLarge              413    invalid_request_error  request_too_large
+    ├── InternalError             500    server_error           internal_error
+    ├── UpstreamFailed            502    upstream_error         upstream_failed
+    ├── NoEngineAvailable         503    service_unavailable    no_healthy_engine
+    └── UpstreamTimeout           504    timeout                upstream_timeout
+
+Errors that come from an engine are not in this hierarchy: they pass through with the
+engine's own status and body. `error_body` renders an error for a plain response and
+`stream_error_event` for a stream that has already begun (the HTTP status is then 200, so
+the error travels as an SSE event followed by `[DONE]`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class GatewayError(Exception):
+    """A request the gateway answers itself, with an OpenAI error envelope."""
+
+    status = 500
+    type = "server_error"
+    code: str | None = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = list(headers)
+
+    def envelope(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+class InvalidRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class AuthenticationFailed(GatewayError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class RouteNotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class ModelNotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+    def __init__(self, model: str, known: Iterable[str]) -> None:
+        names = ", ".join(sorted(known)) or "none"
+        super().__init__(f"The model `{model}` does not exist. Known models: {names}.", param="model")
+
+
+class MethodNotAllowed(GatewayError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class BodyTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"The request body is larger than the gateway's limit of {limit} bytes.")
+
+
+class InternalError(GatewayError):
+    """Something broke in the gateway itself; the details are in its log, not in the answer."""
+
+
+class UpstreamFailed(GatewayError):
+    status = 502
+    type = "upstream_error"
+    code = "upstream_failed"
+
+
+class NoEngineAvailable(GatewayError):
+    status = 503
+    type = "service_unavailable"
+    code = "no_healthy_engine"
+
+
+class UpstreamTimeout(GatewayError):
+    status = 504
+    type = "timeout"
+    code = "upstream_timeout"
+
+
+class ClientDisconnected(Exception):
+    """The client went away; there is nobody left to answer."""
+
+
+def error_body(exc: GatewayError) -> bytes:
+    return json.dumps(exc.envelope()).encode()
+
+
+def stream_error_event(exc: GatewayError) -> bytes:
+    """The end of a stream that failed after it began: an error event, then `[DONE]`."""
+    return b"data: " + error_body(exc) + b"\n\ndata: [DONE]\n\n"
+
+
+async def send_error(send: Send, exc: GatewayError) -> None:
+    """Answer with `exc` as a complete JSON response (the response must not have started)."""
+    body = error_body(exc)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               *exc.headers]
+    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def from_http_status(status: int, detail: str) -> GatewayError:
+    """Starlette's own HTTP errors (unknown path, wrong method, bad JSON in a FastAPI route)."""
+    if status == 404:
+        return RouteNotFound(f"No such endpoint: {detail}" if detail != "Not Found" else "Not found.")
+    if status == 405:
+        return MethodNotAllowed("Method not allowed on this endpoint.")
+    exc = InvalidRequest(detail) if 400 <= status < 500 else GatewayError(detail)
+    exc.status = status  # instance attribute: the class keeps its default
+    return exc

@@ -1,0 +1,120 @@
+"""Cheap looks into the engine's SSE bytes as they stream past, without parsing every chunk.
+
+The gateway forwards the engine's stream byte for byte. It only needs to know two things
+from it: when the first real token passes (time to first token, inter-token latency), and the
+token usage of the final chunk. Both are found with `bytes.find` on the raw chunk; JSON is
+parsed only for an event that carries `usage`. A network read may hold several events or part
+of one; `UsageScanner` keeps an unfinished event until the next read completes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from server.gateway.jsonio import loads
+
+_QUOTE = 0x22
+_SPACE = 0x20
+# `content":` also matches `reasoning_content":`; `"text":` is the completions API's token.
+_TOKEN_MARKERS = (b'content":', b'"text":')
+_TOOL_MARKERS = (b'"tool_calls":[{', b'"tool_calls": [{')
+_USAGE_MARKER = b'"usage":'
+MAX_USAGE_BUFFER = 1 << 20
+
+
+def has_token(chunk: bytes) -> bool:
+    """True if any event in `chunk` carries a non-empty content/text string or a tool call."""
+    for marker in _TOKEN_MARKERS:
+        i = chunk.find(marker)
+        while i != -1:
+            j = i + len(marker)
+            n = len(chunk)
+            while j < n and chunk[j] == _SPACE:
+                j += 1
+            if j + 1 < n and chunk[j] == _QUOTE and chunk[j + 1] != _QUOTE:
+                return True
+            i = chunk.find(marker, j)
+    return any(marker in chunk for marker in _TOOL_MARKERS)
+
+
+def _usage_object_follows(chunk: bytes, start: int = 0) -> int:
+    """Index of a `"usage":` followed by an object (not null), or -1."""
+    i = chunk.find(_USAGE_MARKER, start)
+    while i != -1:
+        j = i + len(_USAGE_MARKER)
+        while j < len(chunk) and chunk[j] == _SPACE:
+            j += 1
+        if j < len(chunk) and chunk[j] == 0x7B:  # {
+            return i
+        i = chunk.find(_USAGE_MARKER, j)
+    return -1
+
+
+def usage_from_event(event: bytes) -> dict[str, Any] | None:
+    """The `usage` object of one SSE event (`data: {...}`), or None."""
+    event = event.strip()
+    if not event.startswith(b"data:"):
+        return None
+    try:
+        payload = loads(event[5:])
+    except ValueError:
+        return None
+    usage = payload.get("usage") if isinstance(payload, dict) else None
+    return usage if isinstance(usage, dict) else None
+
+
+class UsageScanner:
+    """Finds the last `usage` object in a stream of SSE bytes, parsing only the events that have one.
+
+    Per chunk it costs an `endswith` and a `find`. An event split across two reads is kept
+    (bounded) and completed by the next read.
+    """
+
+    __slots__ = ("usage", "_tail")
+
+    def __init__(self) -> None:
+        self.usage: dict[str, Any] | None = None
+        self._tail = b""
+
+    def feed(self, chunk: bytes) -> None:
+        if self._tail:
+            chunk = self._tail + chunk
+            self._tail = b""
+        if not chunk.endswith(b"\n\n"):
+            cut = chunk.rfind(b"\n\n")
+            cut = cut + 2 if cut != -1 else 0
+            if len(chunk) - cut <= MAX_USAGE_BUFFER:  # else: not SSE we understand; drop it
+                self._tail = chunk[cut:]
+            chunk = chunk[:cut]
+        if _usage_object_follows(chunk) == -1:
+            return
+        for event in chunk.split(b"\n\n"):
+            if _usage_object_follows(event) != -1:
+                usage = usage_from_event(event)
+                if usage is not None:
+                    self.usage = usage
+
+    def finish(self) -> dict[str, Any] | None:
+        """The usage seen, after also trying an unterminated final event."""
+        if self._tail:
+            usage = usage_from_event(self._tail)
+            if usage is not None:
+                self.usage = usage
+            self._tail = b""
+        return self.usage
+
+
+def usage_from_body(body: bytes) -> dict[str, Any] | None:
+    """The `usage` of a complete (non-streaming) JSON answer, or None."""
+    if _usage_object_follows(body) == -1:
+        return None
+    try:
+        payload = loads(body)
+    except ValueError:
+        return None
+    usage = payload.get("usage") if isinstance(payload, dict) else None
+    return usage if isinstance(usage, dict) else None
+
+
+def ends_with_done(chunk: bytes) -> bool:
+    return chunk.rstrip().endswith(b"data: [DONE]")

@@ -1,0 +1,71 @@
+"""What history trimming needs to know about a served model, from the gateway's view of it.
+
+`TrimmingMiddleware` (server.gateway.trim_middleware) asks `lookup(model)` for a target with
+the model's context length, its trimming settings and a token counter. The count comes from
+the engine itself: vLLM's `/tokenize` with `messages` applies the model's own chat template.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import httpx
+
+from server.gateway.settings import Routing
+from server.gateway.upstreams import ModelPool, Upstreams
+from server.profiles import TrimmingConfig
+
+
+class TokenizeFailed(RuntimeError):
+    """No engine of the model could count the tokens (the middleware then passes the request through)."""
+
+
+class EngineTrimTarget:
+    """A served model as a trimming target: `max_model_len`, `trimming`, `tokenize(...)`."""
+
+    def __init__(self, pool: ModelPool, client: httpx.AsyncClient, routing: Routing, timeout: httpx.Timeout) -> None:
+        self.pool = pool
+        self.client = client
+        self.routing = routing
+        self.timeout = timeout
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.pool.max_model_len
+
+    @property
+    def trimming(self) -> TrimmingConfig:
+        return self.pool.trimming
+
+    async def tokenize(self, messages: list[dict], add_generation_prompt: bool) -> int:
+        """Tokens of `messages` rendered by the model's chat template, counted by one of its engines."""
+        engine = self.pool.acquire(self.routing)
+        if engine is None:
+            raise TokenizeFailed(f"no healthy engine for model {self.pool.name}")
+        try:
+            response = await self.client.post(
+                f"{engine.url}/tokenize",
+                json={"model": self.pool.name, "messages": messages,
+                      "add_generation_prompt": add_generation_prompt},
+                timeout=self.timeout,
+            )
+            response.raise_for_status()
+            count = response.json().get("count")
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            raise TokenizeFailed(f"engine {engine.id}: /tokenize failed: {exc!r}") from exc
+        finally:
+            self.pool.release(engine)
+        if not isinstance(count, int):
+            raise TokenizeFailed(f"engine {engine.id}: /tokenize answered without a count")
+        return count
+
+
+def make_lookup(upstreams: Upstreams, client: httpx.AsyncClient, routing: Routing,
+                timeout: httpx.Timeout) -> Callable[[str], Awaitable[EngineTrimTarget | None]]:
+    """`lookup(model)` for TrimmingMiddleware: None for an unknown model (the proxy answers 404)."""
+    targets = {name: EngineTrimTarget(pool, client, routing, timeout) for name, pool in upstreams.models.items()}
+
+    async def lookup(model: str) -> EngineTrimTarget | None:
+        return targets.get(model)
+
+    return lookup

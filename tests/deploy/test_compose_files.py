@@ -102,6 +102,7 @@ def promtool() -> str:
     return path
 
 
+@pytest.mark.prometheus
 def test_promtool_accepts_the_prometheus_config(variant, tmp_path):
     """promtool checks the config and its rule file, at the repository's path for that file."""
     data = variant.prometheus_data()
@@ -116,6 +117,7 @@ def test_promtool_accepts_the_prometheus_config(variant, tmp_path):
     assert "SUCCESS" in result.stdout + result.stderr
 
 
+@pytest.mark.prometheus
 def test_promtool_check_can_fail(tmp_path):
     copy = tmp_path / "prometheus.yml"
     copy.write_text("scrape_configs:\n  - job_name: x\n    scrape_interval: often\n")

@@ -111,7 +111,8 @@ def test_gateway_command_serves_health_and_models_in_front_of_engines(variant, t
             [sys.executable, "-c", RUNNER, str(modules_file), json.dumps(not_in_the_image()),
              *command],
             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "GATEWAY_API_KEYS": ""},
+            # The image has this checkout's server/ installed; so does PYTHONPATH here.
+            env={**os.environ, "GATEWAY_API_KEYS": "", "PYTHONPATH": str(ROOT)},
         )
         try:
             base = f"http://127.0.0.1:{port}"

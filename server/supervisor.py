@@ -19,6 +19,7 @@ import signal
 import sys
 import time
 from collections import deque
+from pathlib import Path
 
 import httpx
 
@@ -98,11 +99,15 @@ class EngineSupervisor:
             assert process is not None
             pump = asyncio.create_task(self._pump(process))
             probe = asyncio.create_task(self._probe_until_ready(process))
-            code = await process.wait()
+            code = await wait_exit(process)
+            # Whatever the leader left behind in its group (an engine core, a worker) goes too:
+            # it would hold the port, the memory and the log pipe of the next start.
+            kill_group(process.pid)
             probe.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await probe
-            await pump
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(pump, 5)
             if self._stopping:
                 return
             ran_for = time.perf_counter() - self._started_at
@@ -167,23 +172,51 @@ class EngineSupervisor:
             log.info("[engine %s] stopping (pid %d)", self.name, process.pid)
             terminate_tree(process.pid, timeout_hint=timeout)
             try:
-                await asyncio.wait_for(process.wait(), timeout)
+                await asyncio.wait_for(wait_exit(process), timeout)
             except TimeoutError:
                 log.warning("[engine %s] did not stop in %.0f s; killing", self.name, timeout)
         if process is not None:
             kill_group(process.pid)  # whatever outlived the leader in its group
             with contextlib.suppress(ProcessLookupError):
                 await asyncio.wait_for(process.wait(), 5)
+            for _ in range(50):  # SIGKILL is delivered asynchronously: wait until all are gone
+                if not group_members(process.pid):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                log.error("[engine %s] processes %s outlived SIGKILL", self.name,
+                          group_members(process.pid))
         if self._monitor is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._monitor
         log.info("[engine %s] stopped", self.name)
 
 
+async def wait_exit(process: asyncio.subprocess.Process) -> int:
+    """The leader's exit code. Not `process.wait()`: asyncio's waits for the log pipe to close
+    too, and a grandchild that inherited the pipe keeps it open after the leader died."""
+    while process.returncode is None:
+        await asyncio.sleep(0.1)
+    return process.returncode
+
+
 def terminate_tree(pid: int, timeout_hint: float = 20.0) -> None:
     """SIGTERM the process group led by `pid` (vLLM shuts its engine core down on SIGTERM)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGTERM)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in process group `pgid`, from /proc."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(stat.parent.name))
+    return members
 
 
 def kill_group(pid: int) -> None:

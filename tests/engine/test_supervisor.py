@@ -1,0 +1,87 @@
+"""The supervisor on a fake engine process: readiness, restarts with backoff, giving up, and
+stopping the whole process tree. The real engine is covered in test_engine_e2e.py."""
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.profiles import load_profile, profiles_dir
+from server.supervisor import EngineStartError, EngineSupervisor
+from tests.support import free_port
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+def supervisor(tmp_path, *extra, max_restarts=3, ready_timeout=20.0):
+    port = free_port()
+    argv = [sys.executable, "-m", "tests.engine.fake_engine", str(port),
+            "--pidfile", str(tmp_path / "children"), *extra]
+    profile = load_profile(profiles_dir() / "tiny-cpu.yaml")
+    return EngineSupervisor(profile, port=port, argv=argv, max_restarts=max_restarts,
+                            ready_timeout=ready_timeout)
+
+
+def child_pids(tmp_path) -> list[int]:
+    path = tmp_path / "children"
+    return [int(line) for line in path.read_text().split()] if path.exists() else []
+
+
+async def test_ready_then_stop_leaves_no_process(tmp_path):
+    sup = supervisor(tmp_path)
+    await sup.start()
+    seconds = await sup.wait_ready()
+    assert 0 < seconds < 20
+    async with httpx.AsyncClient() as client:
+        assert (await client.get(f"{sup.url}/health")).status_code == 200
+    leader, children = sup.pid, child_pids(tmp_path)
+    assert children and all(alive(pid) for pid in children)
+    await sup.stop(timeout=5)
+    assert not alive(leader)
+    assert not any(alive(pid) for pid in children)
+
+
+async def test_crashed_engine_is_restarted(tmp_path):
+    sup = supervisor(tmp_path, "--crash-after", "0.5")
+    await sup.start()
+    await sup.wait_ready()
+    first = sup.pid
+    for _ in range(100):  # crash after 0.5 s, restart after a 1 s backoff
+        await asyncio.sleep(0.1)
+        if sup.restarts >= 1 and sup.pid != first:
+            break
+    assert sup.restarts >= 1 and sup.pid != first
+    await sup.wait_ready()
+    await sup.stop(timeout=5)
+    # the crashed run's grandchild shared its process group and is gone as well
+    assert not any(alive(pid) for pid in child_pids(tmp_path))
+
+
+async def test_gives_up_after_max_restarts(tmp_path):
+    sup = supervisor(tmp_path, "--exit-now", max_restarts=1)
+    await sup.start()
+    with pytest.raises(EngineStartError, match="2 times in a row") as info:
+        await sup.wait_ready()
+    assert "fatal error at start-up" in str(info.value)  # the last log lines come along
+    await sup.stop()
+
+
+async def test_ready_timeout(tmp_path):
+    sup = supervisor(tmp_path, ready_timeout=0.3)
+    sup.url = f"http://127.0.0.1:{free_port()}"  # probe a port nobody serves
+    await sup.start()
+    with pytest.raises(EngineStartError, match="did not answer /health"):
+        await sup.wait_ready()
+    await sup.stop(timeout=5)
+    assert not any(alive(pid) for pid in child_pids(tmp_path))

@@ -28,7 +28,7 @@ import sys
 import time
 from urllib.parse import urlsplit
 
-from tests.bench.proctree import tree_cpu_seconds
+from tests.bench.proctree import cores_busy_seconds, tree_cpu_seconds
 
 EVENT_END = b"\n\n"
 DONE = b"data: [DONE]"
@@ -258,6 +258,7 @@ async def run_load(
     cpu_pids: dict[str, int],
     timeout: float = 60.0,
     body_extra: dict | None = None,
+    samples: bool = False,
 ) -> dict:
     """Drive `concurrency` streams at `url` for warmup + duration seconds; the window's figures."""
     parts = urlsplit(url)
@@ -278,6 +279,7 @@ async def run_load(
     await asyncio.sleep(warmup)
     cpu_before = {name: tree_cpu_seconds(pid) for name, pid in cpu_pids.items()}
     own_before = _own_cpu()
+    cores_before = cores_busy_seconds()
     chunks_before = counters.chunks
     started = time.perf_counter()
     counters.recording = True
@@ -287,6 +289,9 @@ async def run_load(
     chunks = counters.chunks - chunks_before
     cpu = {name: tree_cpu_seconds(pid) - cpu_before[name] for name, pid in cpu_pids.items()}
     cpu["loadgen"] = _own_cpu() - own_before
+    cores = {name: busy - cores_before.get(name, 0.0) for name, busy in cores_busy_seconds().items()}
+    # CPU time of processes other than the measured ones (a shared machine's noise), both cores
+    foreign = sum(cores.values()) - sum(cpu.values())
     stop.set()
     _, pending = await asyncio.wait(workers, timeout=min(timeout, 15.0))  # let answers in flight end
     for task in pending:
@@ -310,6 +315,48 @@ async def run_load(
             "n": len(ttfts),
         },
         "cpu_s": cpu,
+        "cores_busy_s": cores,
+        "foreign_cpu_s": foreign,
+        **({"ttft_samples_ms": ttfts} if samples else {}),
+    }
+
+
+def summarize(results: list[dict]) -> dict:
+    """Several windows of one path and concurrency as one (the TTFT figures need `samples`)."""
+    if len(results) == 1:
+        return results[0]
+    window = sum(result["window_s"] for result in results)
+    ttfts = [value for result in results for value in result.get("ttft_samples_ms", ())]
+    errors: dict[str, int] = {}
+    cpu: dict[str, float] = {}
+    for result in results:
+        for kind, count in result["error_kinds"].items():
+            errors[kind] = errors.get(kind, 0) + count
+        for name, seconds in result["cpu_s"].items():
+            cpu[name] = cpu.get(name, 0.0) + seconds
+    requests = sum(result["requests"] for result in results)
+    chunks = sum(result["chunks"] for result in results)
+    foreign = sum(result.get("foreign_cpu_s", 0.0) for result in results)
+    return {
+        "url": results[0]["url"],
+        "concurrency": results[0]["concurrency"],
+        "window_s": round(window, 3),
+        "windows": len(results),
+        "requests": requests,
+        "chunks": chunks,
+        "requests_per_s": requests / window,
+        "chunks_per_s": chunks / window,
+        "errors": sum(errors.values()),
+        "error_kinds": errors,
+        "ttft_ms": {
+            "p50": statistics.median(ttfts) if ttfts else None,
+            "p90": _percentile(ttfts, 0.9),
+            "p99": _percentile(ttfts, 0.99),
+            "mean": statistics.fmean(ttfts) if ttfts else None,
+            "n": len(ttfts),
+        },
+        "cpu_s": cpu,
+        "foreign_cpu_s": foreign,
     }
 
 
@@ -336,6 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--cpu", action="append", default=[], help="NAME=PID: measure that process tree's CPU")
     parser.add_argument("--body-extra", default="{}", help="JSON merged into the request body")
+    parser.add_argument("--samples", action="store_true", help="also print every TTFT (ttft_samples_ms)")
     args = parser.parse_args(argv)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
@@ -345,6 +393,7 @@ def main(argv: list[str] | None = None) -> None:
         run_load(
             args.url, model=args.model, concurrency=args.concurrency, duration=args.duration,
             warmup=args.warmup, cpu_pids=cpu_pids, timeout=args.timeout, body_extra=json.loads(args.body_extra),
+            samples=args.samples,
         )
     )  # fmt: skip
     json.dump(result, sys.stdout)

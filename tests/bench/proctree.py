@@ -41,3 +41,14 @@ def tree_cpu_seconds(root: int) -> float:
         if fields is not None:
             total += sum(int(value) for value in fields[11:15])  # utime stime cutime cstime
     return total / CLOCK_TICKS
+
+
+def cores_busy_seconds() -> dict[str, float]:
+    """Busy CPU seconds per core since boot (all processes), from /proc/stat: {"cpu0": s, ...}."""
+    out = {}
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("cpu") and line[3:4].isdigit():
+            name, *values = line.split()
+            ticks = [int(value) for value in values[:8]]  # user nice system idle iowait irq softirq steal
+            out[name] = (sum(ticks) - ticks[3] - ticks[4]) / CLOCK_TICKS
+    return out

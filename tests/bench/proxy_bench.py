@@ -29,6 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.bench.loadgen import summarize
 from tests.bench.procs import PYTHON, Processes, Started, free_port, wait_chat_ready
 
 MODEL = "standin"
@@ -77,12 +78,14 @@ def start_paths(procs: Processes, engine_url: str, paths: list[str]) -> dict[str
 
 
 def run_loadgen(
-    procs: Processes, url: str, concurrency: int, duration: float, warmup: float, cpu: dict[str, Started]
+    procs: Processes, url: str, concurrency: int, duration: float, warmup: float, cpu: dict[str, Started],
+    samples: bool = False,
 ) -> dict:
     argv = [
         PYTHON, "-m", "tests.bench.loadgen", "--url", url, "--model", MODEL,
         "--concurrency", str(concurrency), "--duration", str(duration), "--warmup", str(warmup),
         *[arg for name, started in cpu.items() for arg in ("--cpu", f"{name}={started.pid}")],
+        *(["--samples"] if samples else []),
     ]  # fmt: skip
     done = subprocess.run(
         procs.pinned(ENGINE_CORE, argv), capture_output=True, text=True, timeout=duration + warmup + 120
@@ -201,8 +204,9 @@ def render_tables(report: dict) -> str:
             f"{_fmt(fig.get('cpu_us_per_chunk_at_64'), 1, ' us')} | "
             f"{_fmt(None if kept is None else kept * 100, 1, ' %')} | {_fmt(fig.get('errors_at_512'))} |"
         )
-    lines += ["", "| path | streams | requests/s | chunks/s | TTFT p50 / p90 / p99 ms | errors | CPU s proxy / engine / loadgen |",
-              "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines += ["", "| path | streams | requests/s | chunks/s | TTFT p50 / p90 / p99 ms | errors "
+              "| CPU s proxy / engine / loadgen | other processes' CPU s |",
+              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for path, phases in report["results"].items():
         for concurrency, result in sorted(phases.items(), key=lambda item: int(item[0])):
             ttft = result["ttft_ms"]
@@ -210,7 +214,8 @@ def render_tables(report: dict) -> str:
             lines.append(
                 f"| {path} | {concurrency} | {result['requests_per_s']:.1f} | {result['chunks_per_s']:.0f} | "
                 f"{_fmt(ttft['p50'], 2)} / {_fmt(ttft['p90'], 2)} / {_fmt(ttft['p99'], 2)} | {result['errors']} | "
-                f"{_fmt(cpu.get('proxy'), 2)} / {_fmt(cpu.get('engine'), 2)} / {_fmt(cpu.get('loadgen'), 2)} |"
+                f"{_fmt(cpu.get('proxy'), 2)} / {_fmt(cpu.get('engine'), 2)} / {_fmt(cpu.get('loadgen'), 2)} | "
+                f"{_fmt(result.get('foreign_cpu_s'), 2)} in {result['window_s']:.0f} s |"
             )
     return "\n".join(lines)
 
@@ -262,12 +267,15 @@ METHOD = (
     "keep-alive connection per stream, closed loop). Each proxy runs alone on core 1 (`taskset -c 1`). "
     "The request is a streaming chat completion with `stream_options.include_usage`. For each "
     "number of concurrent streams the paths are measured one after the other "
-    "({warmup:g} s warm-up, then a {duration:g} s window; {low_duration:g} s at 4 streams). Time to "
+    "({warmup:g} s warm-up, then a {duration:g} s window; at 4 streams {rounds} interleaved rounds "
+    "of {low_window:g} s per path, their samples pooled). Time to "
     "first token: from writing the request to receiving the first content chunk. Proxy CPU: "
     "utime + stime of the proxy's whole process tree (and its reaped children) from /proc, over the "
     "window, divided by the chunks delivered in the window. Throughput: chunks per second delivered. "
     "Errors: non-200 answers, broken connections, streams without `data: [DONE]`, error events, "
-    "answers slower than 60 s."
+    "answers slower than 60 s. \"Other processes' CPU\" is the busy time of both cores (/proc/stat) "
+    "minus that of the engine, the proxy and the load generator: what the rest of a shared machine "
+    "took during the window; when it is not near zero the figures are noisy."
 )
 
 
@@ -277,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=8.0, help="measurement window per run, seconds")
     parser.add_argument("--low-duration", type=float, default=12.0, help="window at 4 streams, seconds")
     parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved windows at 4 streams")
     parser.add_argument("--paths", default=",".join(ALL_PATHS), help="comma-separated: " + ", ".join(ALL_PATHS))
     parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCIES)))
     parser.add_argument("--no-trim", action="store_true", help="skip the trimming benchmark")
@@ -294,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
         "commit": git_commit(),
         "machine": machine(),
         "loadavg_before": loadavg(),
-        "method": METHOD.format(warmup=args.warmup, duration=args.duration, low_duration=args.low_duration),
+        "method": METHOD.format(
+            warmup=args.warmup, duration=args.duration, rounds=args.rounds, low_window=args.low_duration / args.rounds
+        ),
         "stand_in": {"ttft_ms": 20, "itl_ms": 10, "tokens": 32},
     }
     trim = None
@@ -317,12 +328,22 @@ def main(argv: list[str] | None = None) -> int:
         live = [path for path in paths if not started[path]["error"]]
         results: dict[str, dict[int, dict]] = {path: {} for path in live}
         for concurrency in concurrencies:
-            duration = args.low_duration if concurrency == LATENCY_AT else args.duration
+            # Low load: several short windows per path, interleaved, so that drift of a shared
+            # machine hits every path alike; the TTFT samples are pooled.
+            rounds = args.rounds if concurrency == LATENCY_AT else 1
+            duration = args.low_duration / rounds if concurrency == LATENCY_AT else args.duration
+            windows: dict[str, list[dict]] = {path: [] for path in live}
+            for _ in range(rounds):
+                for path in live:
+                    cpu = {"engine": engine}
+                    if started[path]["process"] is not None:
+                        cpu["proxy"] = started[path]["process"]
+                    windows[path].append(
+                        run_loadgen(procs, started[path]["url"], concurrency, duration, args.warmup, cpu, rounds > 1)
+                    )
             for path in live:
-                cpu = {"engine": engine}
-                if started[path]["process"] is not None:
-                    cpu["proxy"] = started[path]["process"]
-                result = run_loadgen(procs, started[path]["url"], concurrency, duration, args.warmup, cpu)
+                result = summarize(windows[path])
+                result.pop("ttft_samples_ms", None)
                 results[path][concurrency] = result
                 print(
                     f"{path:>12} {concurrency:>4} streams: {result['chunks_per_s']:7.0f} chunks/s, "

@@ -6,7 +6,7 @@ import os
 
 import httpx
 
-from tests.bench.loadgen import run_load
+from tests.bench.loadgen import run_load, summarize
 from tests.bench.proctree import tree_cpu_seconds, tree_pids
 from tests.bench.proxy_bench import figures, judge
 from tests.standin import StandinConfig, build_app
@@ -73,3 +73,16 @@ def test_figures_and_goals_from_results():
         "added_ttft": False, "cpu_per_chunk": False, "throughput": True, "no_errors_at_512": False,
     }  # fmt: skip
     assert judge(ours, None)["added_ttft"] is None
+
+
+def test_summarize_pools_windows_and_their_samples():
+    def window(ttfts, chunks, seconds):
+        return {
+            "url": "u", "concurrency": 4, "window_s": seconds, "requests": len(ttfts), "chunks": chunks,
+            "error_kinds": {"status 503": 1}, "cpu_s": {"proxy": 0.5}, "ttft_samples_ms": ttfts,
+        }  # fmt: skip
+
+    pooled = summarize([window([1.0, 2.0], 10, 1.0), window([3.0, 4.0, 5.0], 30, 3.0)])
+    assert pooled["ttft_ms"]["p50"] == 3.0 and pooled["ttft_ms"]["n"] == 5
+    assert pooled["chunks_per_s"] == 10.0 and pooled["requests"] == 5
+    assert pooled["errors"] == 2 and pooled["cpu_s"] == {"proxy": 1.0}

@@ -13,9 +13,13 @@ So once per model the counter *calibrates*: it tokenizes a few probe conversatio
   whole count (an over-estimate only trims a little early; a short one could overflow).
 
 Each message is then tokenized alone, once: its net count ``c([m]) - per_call`` is cached under
-a hash of the message's canonical JSON (bounded LRU), so a conversation that grows by one message
-costs one small tokenize call. The estimate of a whole prompt is ``per_call + sum(net) +
-generation_prompt``.
+a hash of its content (bounded LRU), so a conversation that grows by one message costs one small
+tokenize call. The estimate of a whole prompt is ``per_call + sum(net) + generation_prompt``.
+
+Not even that call is waited for when it cannot matter: `estimate_cached` answers from the cache
+alone, with a generous upper bound (twice the message's UTF-8 bytes, plus the template's cost of
+an empty message) for messages not seen yet. If the prompt fits its budget even so, the caller
+sends it at once and lets `learn` count the new messages in the background for the next turn.
 
 Tool definitions (the request's ``tools``) are rendered by many templates into the prompt once;
 their cost is measured once per distinct tool list (``c([probe], tools) - c([probe])``) and added
@@ -34,8 +38,8 @@ import asyncio
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 Message = dict[str, Any]
@@ -56,6 +60,8 @@ class Calibration:
 
     per_call: int
     generation_prompt: int
+    # Net tokens of a user message with empty content (role markers): the floor of any message.
+    empty_message: int
     # No estimate has been found short of the exact count (probe included).
     trusted: bool
     # Largest shortfall (exact - estimate > 0) and excess (estimate - exact) seen by count_exact.
@@ -66,20 +72,42 @@ class Calibration:
 
 @dataclass(frozen=True)
 class PromptCount:
-    """The estimated token count of one prompt: per message, plus a fixed overhead."""
+    """The token count of one prompt: per message, plus a fixed overhead.
+
+    `unseen` lists the messages whose entry in `per_message` is only an upper bound (see
+    `TokenCounter.estimate_cached`); empty for a count from `TokenCounter.count`.
+    """
 
     per_message: list[int]
     overhead: int
+    unseen: list[Message] = field(default_factory=list)
 
     @property
     def total(self) -> int:
         return self.overhead + sum(self.per_message)
 
 
-def message_key(message: Message) -> bytes:
-    """A content hash of the message's canonical JSON (key order and spacing do not matter)."""
+Key = Hashable
+
+
+def message_key(message: Message) -> Key:
+    """A content hash of the message: equal for equal messages, whatever their key order.
+
+    The common ``{"role", "content": str}`` message is keyed by its role, length and Python's
+    string hash (SipHash, keyed per process); anything else by a BLAKE2 hash of its canonical JSON.
+    """
+    content = message.get("content")
+    if len(message) == 2 and isinstance(content, str) and isinstance(message.get("role"), str):
+        return (message["role"], len(content), hash(content))
     canonical = json.dumps(message, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.blake2b(canonical.encode(), digest_size=16).digest()
+
+
+def _payload_bytes(message: Message) -> int:
+    content = message.get("content")
+    if len(message) == 2 and isinstance(content, str):
+        return len(content.encode()) + len(str(message.get("role", "")))
+    return len(json.dumps(message, ensure_ascii=False).encode())
 
 
 class TokenCounter:
@@ -96,14 +124,55 @@ class TokenCounter:
         self.max_entries = max_entries
         self.concurrency = concurrency
         self.verify_margin = verify_margin
-        self._cache: OrderedDict[tuple[str, bytes], int] = OrderedDict()  # also tool lists' costs
+        self._cache: OrderedDict[tuple[str, Key], int] = OrderedDict()  # also tool lists' costs
         self._calibrations: dict[str, Calibration] = {}
+        self._learning: set[tuple[str, Key]] = set()  # being counted right now
 
     def calibration(self, model: str) -> Calibration | None:
         return self._calibrations.get(model)
 
     def __len__(self) -> int:
         return len(self._cache)
+
+    def estimate_cached(
+        self, model: str, messages: Sequence[Message], add_generation_prompt: bool = True,
+        tools: list[Any] | None = None,
+    ) -> PromptCount | None:
+        """A count from the cache alone, no tokenize call: exact for the messages seen before,
+        an upper bound for the others (listed in `unseen`). None before the model is calibrated
+        or while the tools' cost is unknown."""
+        calibration = self._calibrations.get(model)
+        if calibration is None:
+            return None
+        overhead = calibration.per_call + (calibration.generation_prompt if add_generation_prompt else 0)
+        if tools:
+            cost = self._cache.get((model, _tools_key(tools)))
+            if cost is None:
+                return None
+            overhead += cost
+        cache = self._cache
+        per_message = []
+        unseen = []
+        for message in messages:
+            key = (model, message_key(message))
+            value = cache.get(key)
+            if value is None:
+                unseen.append(message)
+                value = 2 * _payload_bytes(message) + calibration.empty_message + 16
+            else:
+                cache.move_to_end(key)
+            per_message.append(value)
+        return PromptCount(per_message=per_message, overhead=overhead, unseen=unseen)
+
+    async def learn(self, model: str, tokenize: Tokenize, messages: Sequence[Message]) -> None:
+        """Count and cache `messages` (meant for a background task: the request did not wait)."""
+        keys = {(model, message_key(m)): m for m in messages}
+        fresh = {k: m for k, m in keys.items() if k not in self._cache and k not in self._learning}
+        self._learning.update(fresh)
+        try:
+            await self.count(model, tokenize, list(fresh.values()), False)
+        finally:
+            self._learning.difference_update(fresh)
 
     async def count(
         self, model: str, tokenize: Tokenize, messages: Sequence[Message],
@@ -115,23 +184,20 @@ class TokenCounter:
         """
         calibration = await self._calibrate(model, tokenize)
         keys = [(model, message_key(m)) for m in messages]
-        missing: dict[tuple[str, bytes], Message] = {}
+        missing: dict[tuple[str, Key], Message] = {}
         for key, message in zip(keys, messages, strict=True):
             if key in self._cache:
                 self._cache.move_to_end(key)
             else:
                 missing.setdefault(key, message)
-        fresh: dict[tuple[str, bytes], int] = {}
+        fresh: dict[tuple[str, Key], int] = {}
         pending = list(missing.items())
         for start in range(0, len(pending), self.concurrency):
             batch = pending[start:start + self.concurrency]
             counts = await asyncio.gather(*(tokenize([m], False) for _, m in batch))
             for (key, _), raw in zip(batch, counts, strict=True):
                 fresh[key] = max(0, raw - calibration.per_call)
-        per_message = []
-        for key in keys:
-            value = fresh[key] if key in fresh else self._cache[key]
-            per_message.append(value)
+        per_message = [fresh[key] if key in fresh else self._cache[key] for key in keys]
         for key, value in fresh.items():
             self._remember(key, value)
         overhead = calibration.per_call + (calibration.generation_prompt if add_generation_prompt else 0)
@@ -174,14 +240,16 @@ class TokenCounter:
         if known is not None:
             return known
         a, b, c = _PROBES
-        ca, cb, cc, cab, cabc, cabc_gen = await asyncio.gather(
+        ca, cb, cc, cab, cabc, cabc_gen, empty = await asyncio.gather(
             tokenize([a], False), tokenize([b], False), tokenize([c], False),
             tokenize([a, b], False), tokenize([a, b, c], False), tokenize([a, b, c], True),
+            tokenize([{"role": "user", "content": ""}], False),
         )
         per_call = max(0, ca + cb - cab)
         estimate = ca + cb + cc - 2 * per_call
         calibration = Calibration(
             per_call=per_call, generation_prompt=max(0, cabc_gen - cabc),
+            empty_message=max(0, empty - per_call),
             trusted=cabc <= estimate and ca + cb - cab >= 0,
             max_short=max(0, cabc - estimate),
         )
@@ -189,7 +257,7 @@ class TokenCounter:
         return calibration
 
     async def _tools_cost(self, model: str, tokenize: Tokenize, tools: list[Any]) -> int:
-        key = (model, b"tools:" + message_key({"tools": tools}))
+        key = (model, _tools_key(tools))
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
@@ -201,8 +269,13 @@ class TokenCounter:
         self._remember(key, cost)
         return cost
 
-    def _remember(self, key: tuple[str, bytes], value: int) -> None:
+    def _remember(self, key: tuple[str, Key], value: int) -> None:
         self._cache[key] = value
         self._cache.move_to_end(key)
         while len(self._cache) > self.max_entries:
             self._cache.popitem(last=False)
+
+
+def _tools_key(tools: list[Any]) -> bytes:
+    canonical = json.dumps(tools, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return b"tools:" + hashlib.blake2b(canonical.encode(), digest_size=16).digest()

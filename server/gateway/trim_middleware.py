@@ -20,6 +20,7 @@ that fails — passes through untouched, so the app and the engine report it as 
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import json
@@ -135,6 +136,8 @@ class TrimmingMiddleware:
         self.max_body_bytes = max_body_bytes
         self.path = path
         self._failing: set[str] = set()  # models whose tokenizer failure was already logged
+        self._background: set[asyncio.Task] = set()
+        self.max_background = 64  # counting tasks in flight; beyond that, new messages wait for the next turn
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.path:
@@ -214,7 +217,16 @@ class TrimmingMiddleware:
         generation_prompt: bool, max_model_len: int | None, reserved: int, tools: list | None,
     ) -> TrimOutcome:
         tools = tools if tools and _accepts_tools(type(target)) else None
-        counts = await self.counter.count(model, target.tokenize, messages, generation_prompt, tools)
+        counts = self.counter.estimate_cached(model, messages, generation_prompt, tools)
+        if counts is not None and counts.unseen:
+            if not self.counter.needs_verification(model, counts.total, budget):
+                # Fits even with generous bounds for the new messages: send it now, and count
+                # them in the background for the next turn.
+                self._learn_later(model, target, counts.unseen)
+                return TrimOutcome(status="kept")
+            counts = None
+        if counts is None:
+            counts = await self.counter.count(model, target.tokenize, messages, generation_prompt, tools)
         by_position = dict(zip(map(id, messages), counts.per_message, strict=True))
 
         def count(message: dict) -> int:
@@ -239,6 +251,24 @@ class TrimmingMiddleware:
             budget=budget, fits=False, required_tokens=sent,
         )
         return self._refusal(model, overshoot, budget, mode, max_model_len, reserved)
+
+    @property
+    def counting_in_background(self) -> int:
+        """Background tasks still counting new messages (see `TokenCounter.learn`)."""
+        return len(self._background)
+
+    def _learn_later(self, model: str, target: TrimTarget, messages: list[dict]) -> None:
+        if len(self._background) >= self.max_background:
+            return
+        task = asyncio.create_task(self._learn(model, target, messages))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _learn(self, model: str, target: TrimTarget, messages: list[dict]) -> None:
+        try:
+            await self.counter.learn(model, target.tokenize, messages)
+        except Exception as exc:  # noqa: BLE001 - the next request counts them again
+            log.debug("background token count for model %s failed: %r", model, exc)
 
     @staticmethod
     def _refusal(

@@ -72,9 +72,11 @@ def test_a_growing_conversation_gets_200_through_the_gateway_where_the_engine_sa
             prompt_text = completion.model_extra["prompt_text"]
             dropped = int(raw.headers["x-trimmed-messages"])
 
-            # The engine never got more than the budget; the gateway's count is the engine's.
+            # The engine never got more than the budget; the gateway's count is the engine's
+            # (a prompt far under budget is sent before its new message is counted: no header).
             assert prompt_tokens <= budget
-            assert int(raw.headers["x-prompt-tokens-estimate"]) == prompt_tokens
+            estimate = raw.headers.get("x-prompt-tokens-estimate")
+            assert estimate is None or int(estimate) == prompt_tokens
             # What the engine received: both instructions, then the newest turns, in order.
             assert prompt_text.startswith(f"<|im_start|>system\n{system}<|im_end|>\n"
                                           f"<|im_start|>system\n{context}<|im_end|>\n")
@@ -87,6 +89,7 @@ def test_a_growing_conversation_gets_200_through_the_gateway_where_the_engine_sa
                 assert prompt_tokens == full
             else:
                 assert raw.headers["x-trim-status"] == "trimmed" and dropped > 0
+                assert int(estimate) == prompt_tokens
                 assert kept[2]["role"] == "user"
                 assert int(raw.headers["x-trimmed-tokens"]) == full - prompt_tokens
             if full > real_engine.max_model_len:
@@ -134,3 +137,43 @@ def test_streaming_is_trimmed_and_a_strict_request_is_refused_with_both_numbers(
         assert refused.value.code == "context_length_exceeded"
         assert refused.value.param == "messages"
         assert str(full) in refused.value.message and str(budget) in refused.value.message
+
+
+async def test_counts_from_the_real_template_add_up_and_bounds_hold(real_engine):
+    """Per-message counts of the real tokenizer and template sum to the whole prompt's count
+    (developer messages, which vLLM folds into the system message, only ever over-count), and
+    the upper bound used before a message is counted is never below its real count."""
+    from server.gateway.tokens import TokenCounter
+
+    async with httpx.AsyncClient(base_url=real_engine.url, timeout=10.0) as client:
+        async def tokenize(messages, add_generation_prompt):
+            response = await client.post("/tokenize", json={
+                "model": real_engine.model, "messages": messages,
+                "add_generation_prompt": add_generation_prompt,
+            })
+            response.raise_for_status()
+            return response.json()["count"]
+
+        rng = random.Random(6)
+        odd = ["東京 ü ß 🙂🙂", "   spaced    out   ", "1234567890" * 5, "<|im_end|> not special?", "\n\n\t"]
+        conversation = [{"role": "system", "content": _text(rng, 200)}]
+        for i in range(12):
+            conversation.append({"role": "user", "content": rng.choice(odd) + _text(rng, 80)})
+            conversation.append({"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"c{i}", "type": "function",
+                 "function": {"name": "lookup", "arguments": '{"q": "%s"}' % rng.choice(odd).strip()}},
+            ]})
+            conversation.append({"role": "tool", "tool_call_id": f"c{i}", "content": rng.choice(odd)})
+        counter = TokenCounter()
+        await counter.count(real_engine.model, tokenize, conversation[:1])
+        bounds = counter.estimate_cached(real_engine.model, conversation)
+        exact = await counter.count(real_engine.model, tokenize, conversation)
+        assert exact.total == await tokenize(conversation, True)
+        assert counter.calibration(real_engine.model).trusted
+        for bound, count in zip(bounds.per_message[1:], exact.per_message[1:], strict=True):
+            assert count <= bound
+
+        with_developer = [*conversation[:1], {"role": "developer", "content": "Answer in French."},
+                          *conversation[1:]]
+        estimate = (await counter.count(real_engine.model, tokenize, with_developer)).total
+        assert estimate >= await tokenize(with_developer, True)

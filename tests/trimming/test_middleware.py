@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import ssl
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -52,6 +53,7 @@ class Stack:
     engine: object
     target: StandinTarget
     metrics: GatewayMetrics
+    middleware: TrimmingMiddleware
 
     def chat(self, messages: list[dict], headers: dict | None = None, **extra) -> httpx.Response:
         return httpx.post(f"{self.url}/v1/chat/completions", headers=headers or {}, timeout=10.0,
@@ -77,7 +79,7 @@ def stack(mode: str = "auto", *, max_model_len: int | None = 1000, **trimming) -
     app = TrimmingMiddleware(engine, lookup=lookup, metrics=metrics)
     with serve_in_thread(app) as url:
         target.url = url
-        yield Stack(url, engine, target, metrics)
+        yield Stack(url, engine, target, metrics, app)
 
 
 def conversation(turns: int, words: int = 20) -> list[dict]:
@@ -108,6 +110,22 @@ def test_a_long_history_is_trimmed_to_the_budget():
         assert int(response.headers["x-prompt-tokens-estimate"]) == prompt
         assert s.trimmed_total("messages") == len(messages) - len(kept)
         assert s.trimmed_total("tokens") == 1501 - prompt
+
+
+def test_a_history_far_under_budget_is_sent_before_its_new_message_is_counted():
+    with stack() as s:
+        messages = conversation(3)
+        assert s.chat(messages, max_tokens=5).headers["x-prompt-tokens-estimate"]  # calibrates
+        calls = len(s.target.calls)
+        messages.append({"role": "user", "content": "and one more thing"})
+        response = s.chat(messages, max_tokens=5)
+        assert response.headers["x-trim-status"] == "kept"
+        assert "x-prompt-tokens-estimate" not in response.headers  # not counted before sending
+        _wait_for_background_counts(s.middleware)
+        assert s.target.calls[calls:] == [1]  # counted afterwards, alone
+        again = s.chat(messages, max_tokens=5)
+        assert int(again.headers["x-prompt-tokens-estimate"]) == again.json()["usage"]["prompt_tokens"]
+        assert s.target.calls[calls:] == [1]
 
 
 def test_a_history_that_fits_passes_byte_for_byte():
@@ -258,22 +276,32 @@ def test_a_failing_tokenizer_passes_the_request_through_untrimmed_and_logs_once(
 def test_a_growing_conversation_costs_one_small_tokenize_call_per_turn():
     with stack() as s:
         messages = conversation(1)
-        per_turn = []
+        statuses = []
         for turn in range(40):
-            before = len(s.target.calls)
             response = s.chat(messages, max_tokens=100)
             assert response.status_code == 200
             assert response.json()["usage"]["prompt_tokens"] <= 900
-            per_turn.append(s.target.calls[before:])
+            statuses.append((response.headers["x-trim-status"], "x-prompt-tokens-estimate" in response.headers))
+            _wait_for_background_counts(s.middleware)
             messages = [*messages, {"role": "assistant" if turn % 2 == 0 else "user",
                                     "content": f"reply{turn} " + "w " * 19}]
-        assert s.chat(messages, max_tokens=100).headers["x-trim-status"] == "trimmed"
-        # After calibration and the first two messages, each turn tokenizes its one new message;
-        # a whole-list count happens only when an estimate lands within the verify margin.
-        assert sorted(per_turn[0]) == sorted([1, 1, 1, 2, 3, 3, 1, 1])
-        for calls in per_turn[1:]:
-            assert calls.count(1) == 1
-            assert len(calls) - calls.count(1) <= 1
+        calls = s.target.calls
+        # Calibration: 4 single-message probes and 3 longer ones (lengths 2, 3, 3).
+        assert sorted(calls[:7]) == [1, 1, 1, 1, 2, 3, 3]
+        # Then every message of the conversation is tokenized alone exactly once...
+        assert calls[7:].count(1) == len(messages) - 1
+        # ...and whole lists only to verify estimates that land within 8 tokens of the budget.
+        assert len(calls[7:]) - calls[7:].count(1) <= statuses.count(("trimmed", True))
+        # Early turns, far under budget, went out before their new message was counted.
+        assert ("kept", False) in statuses
+        assert statuses[-1] == ("trimmed", True)
+
+
+def _wait_for_background_counts(middleware: TrimmingMiddleware) -> None:
+    deadline = time.monotonic() + 5
+    while middleware.counting_in_background and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert not middleware.counting_in_background
 
 
 class _Recorder:

@@ -60,10 +60,10 @@ async def test_a_growing_conversation_costs_one_call_per_new_message():
         count = await counter.count("m", template.tokenize, history)
         calls_per_turn.append(len(template.calls) - before)
         assert count.total == template.exact(history, True)
-    # First turn: calibration (6 probe calls) plus the two messages; then one call per turn.
-    assert calls_per_turn[0] == 6 + 2
+    # First turn: calibration (7 probe calls) plus the two messages; then one call per turn.
+    assert calls_per_turn[0] == 7 + 2
     assert calls_per_turn[1:] == [1] * 11
-    assert all(len(call) == 1 for call in template.calls[8:])
+    assert all(len(call) == 1 for call in template.calls[9:])
 
 
 async def test_identical_messages_are_counted_once_and_key_order_does_not_matter():
@@ -123,7 +123,7 @@ async def test_many_new_messages_are_counted_in_bounded_batches():
     history = [_turn(i) for i in range(40)]
     count = await counter.count("m", tokenize, history)
     assert count.total == template.exact(history, True)
-    assert peak <= 6  # 4 per batch; calibration's 6 probes run once, on their own
+    assert peak <= 7  # 4 per batch; calibration's 7 probes run once, on their own
 
 
 @settings(max_examples=60, deadline=None)
@@ -195,3 +195,34 @@ async def test_tool_definitions_are_counted_once_per_distinct_list():
     exact = await counter.count_exact("m", template.tokenize, messages, True, estimate=with_tools.total,
                                       tools=tools)
     assert exact == with_tools.total
+
+
+@settings(max_examples=60, deadline=None)
+@given(conversations(), st.integers(min_value=0, max_value=3))
+async def test_a_cached_estimate_is_exact_for_seen_messages_and_an_upper_bound_for_new_ones(messages, bos):
+    template = Template(bos=bos)
+    counter = TokenCounter()
+    assert counter.estimate_cached("m", messages) is None  # not calibrated yet
+    seen, new = messages[:len(messages) // 2], messages[len(messages) // 2:]
+    await counter.count("m", template.tokenize, seen)
+    calls = len(template.calls)
+    quick = counter.estimate_cached("m", messages)
+    assert len(template.calls) == calls  # no tokenize call
+    assert quick.total >= template.exact(messages, True)
+    new_keys = {message_key(m) for m in new} - {message_key(m) for m in seen}
+    assert {message_key(m) for m in quick.unseen} == new_keys
+    await counter.learn("m", template.tokenize, quick.unseen)
+    assert len(template.calls) == calls + len(new_keys)
+    again = counter.estimate_cached("m", messages)
+    assert again.unseen == [] and again.total == template.exact(messages, True)
+
+
+async def test_estimate_cached_needs_the_tools_cost_first():
+    template = Template()
+    counter = TokenCounter()
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    messages = [{"role": "user", "content": "hi"}]
+    await counter.count("m", template.tokenize, messages)
+    assert counter.estimate_cached("m", messages, tools=tools) is None
+    await counter.count("m", template.tokenize, messages, tools=tools)
+    assert counter.estimate_cached("m", messages, tools=tools).total == template.exact(messages, True) + 5

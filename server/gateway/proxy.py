@@ -62,7 +62,6 @@ _DROPPED_RESPONSE_HEADERS = frozenset({
 # Errors before the first byte that say "this engine, not this request": try another replica.
 _RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
               httpx.WriteError)
-_CONNECT_FAILURES = (httpx.ConnectError, httpx.ConnectTimeout)
 UNKNOWN_MODEL = "_unknown"  # the metrics label of requests refused before their model was known
 CLIENT_CLOSED = 499  # nginx's code for "the client closed the connection"; logs and metrics only
 
@@ -333,10 +332,15 @@ class Exchange:
         try:
             try:
                 response = await client.send(request, stream=True)
-            except _CONNECT_FAILURES as exc:
-                engine.mark_down(f"{type(exc).__name__}: {exc}")
-                raise _Retry(NoEngineAvailable(f"Engine {engine.id} of model `{engine.model}` is unreachable "
-                                               f"({type(exc).__name__}).")) from None
+            except httpx.ConnectTimeout as exc:
+                engine.mark_down(f"ConnectTimeout: {exc}")
+                raise _Retry(UpstreamTimeout(
+                    f"Engine {engine.id} of model `{engine.model}` did not accept a connection within "
+                    f"{self.proxy.settings.timeouts.connect:g} s.")) from None
+            except httpx.ConnectError as exc:
+                engine.mark_down(f"ConnectError: {exc}")
+                raise _Retry(NoEngineAvailable(
+                    f"Engine {engine.id} of model `{engine.model}` is unreachable ({exc}).")) from None
             except _RETRYABLE as exc:
                 raise _Retry(UpstreamFailed(f"Engine {engine.id} closed the connection before answering "
                                             f"({type(exc).__name__}).")) from None

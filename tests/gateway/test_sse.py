@@ -1,0 +1,81 @@
+"""The cheap looks into streamed bytes: first token detection and usage, however reads split them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from server.gateway.sse import UsageScanner, ends_with_done, has_token, usage_from_body
+
+
+def event(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+ROLE = event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+TOKEN = event({"choices": [{"index": 0, "delta": {"content": " hi"}}]})
+USAGE = {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}
+LAST = event({"choices": [], "usage": USAGE})
+
+
+@pytest.mark.parametrize(("chunk", "expected"), [
+    (ROLE, False),
+    (TOKEN, True),
+    (ROLE + TOKEN, True),
+    (b'data: {"choices":[{"delta":{"content": "x"}}]}\n\n', True),  # a space after the colon
+    (b'data: {"choices":[{"delta":{"content":null}}]}\n\n', False),
+    (b'data: {"choices":[{"delta":{"reasoning_content":"hmm"}}]}\n\n', True),
+    (b'data: {"choices":[{"text":"","index":0}]}\n\n', False),
+    (b'data: {"choices":[{"text":" word","index":0}]}\n\n', True),
+    (b'data: {"choices":[{"delta":{"tool_calls":[{"index":0,"id":"c1"}]}}]}\n\n', True),
+    (b'data: {"choices":[{"delta":{"tool_calls":[]}}]}\n\n', False),
+    (LAST, False),
+    (b"data: [DONE]\n\n", False),
+])
+def test_has_token(chunk, expected):
+    assert has_token(chunk) is expected
+
+
+def test_usage_from_the_final_chunk():
+    scanner = UsageScanner()
+    for chunk in (ROLE, TOKEN, TOKEN, LAST, b"data: [DONE]\n\n"):
+        scanner.feed(chunk)
+    assert scanner.finish() == USAGE
+
+
+def test_null_usage_is_no_usage():
+    scanner = UsageScanner()
+    scanner.feed(event({"choices": [{"delta": {"content": "x"}}], "usage": None}))
+    assert scanner.finish() is None
+
+
+@given(st.lists(st.integers(1, 400), max_size=12))
+def test_usage_is_found_however_the_stream_is_split(cuts):
+    stream = ROLE + TOKEN + TOKEN + LAST + b"data: [DONE]\n\n"
+    points = sorted({c % len(stream) for c in cuts} | {0, len(stream)})
+    scanner = UsageScanner()
+    for start, end in zip(points, points[1:]):
+        scanner.feed(stream[start:end])
+    assert scanner.finish() == USAGE
+
+
+def test_continuous_usage_keeps_the_last_one():
+    scanner = UsageScanner()
+    for n in (1, 2, 3):
+        scanner.feed(event({"choices": [{"delta": {"content": "x"}}], "usage": {"completion_tokens": n}}))
+    assert scanner.finish() == {"completion_tokens": 3}
+
+
+def test_usage_from_a_whole_body():
+    body = json.dumps({"choices": [], "usage": USAGE}).encode()
+    assert usage_from_body(body) == USAGE
+    assert usage_from_body(b'{"usage": null}') is None
+    assert usage_from_body(b"not json") is None
+
+
+def test_ends_with_done():
+    assert ends_with_done(TOKEN + b"data: [DONE]\n\n")
+    assert not ends_with_done(TOKEN)

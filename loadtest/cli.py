@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="bearer token (default: $OPENAI_API_KEY)")
     target.add_argument("--header", action="append", type=_header, default=[], metavar="'K: V'",
                         help="extra request header (repeatable)")
+    target.add_argument("--record-header", action="append", default=[], metavar="NAME",
+                        help="keep this response header in requests.jsonl (repeatable; e.g. "
+                             "x-trim-status)")
     target.add_argument("--metrics-url", help="a vLLM /metrics URL to sample KV-cache usage "
                         "during the run (per request and per turn) and prefix-cache hits per run")
     target.add_argument("--metrics-interval", type=float, default=0.1, metavar="SECONDS",
@@ -248,7 +251,8 @@ async def run_all(args: argparse.Namespace, shapes: list[LoadShape], stop: StopR
                 async with make_http_client(max_connections=pool, timeout_s=args.timeout) as http:
                     client = ChatClient(target["url"], http=http, model=target["model"],
                                         api_key=args.api_key, headers=target["headers"],
-                                        timeout_s=args.timeout, extra_body=target["extra"])
+                                        timeout_s=args.timeout, extra_body=target["extra"],
+                                        record_headers=tuple(args.record_header))
                     probe = (EngineProbe(target["metrics_url"], http=probe_http,
                                          interval_s=args.metrics_interval)
                              if target["metrics_url"] else None)
@@ -256,7 +260,9 @@ async def run_all(args: argparse.Namespace, shapes: list[LoadShape], stop: StopR
                                     run=shape.label, think_time_s=args.think_time,
                                     end_session_on_error=args.end_session_on_error,
                                     seed=args.seed, probe=probe, on_record=progress.update)
-                    progress.start(f"{target['label']}: {shape.label}", stop.num_requests)
+                    progress.start(f"{target['label']}: {shape.label}",
+                                   stop.num_requests + stop.warmup_requests
+                                   if stop.num_requests is not None else None)
                     try:
                         result = await runner.run()
                     finally:

@@ -55,7 +55,8 @@ class ChatClient:
     """Streams chat completions from one OpenAI-compatible server and records their timings.
 
     `http` is owned by the caller (one pool per target); `headers` are sent with every request
-    (for example `x-trim-mode: off`); `extra_body` is merged into every request body.
+    (for example `x-trim-mode: strict`); `extra_body` is merged into every request body;
+    the response headers named in `record_headers` are kept in the record.
     """
 
     def __init__(
@@ -68,6 +69,7 @@ class ChatClient:
         headers: dict[str, str] | None = None,
         timeout_s: float = 60.0,
         extra_body: dict | None = None,
+        record_headers: tuple[str, ...] = (),
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.base_url = normalize_base_url(base_url)
@@ -77,6 +79,7 @@ class ChatClient:
         self._timeout_s = timeout_s
         self._extra_body = dict(extra_body or {})
         self._clock = clock
+        self._record_headers = tuple(h.lower() for h in record_headers)
         self._headers = {"accept": "text/event-stream", "content-type": "application/json",
                          **(headers or {})}
         if api_key:
@@ -139,6 +142,9 @@ class ChatClient:
         try:
             record.status = response.status_code
             record.response_headers_s = self._clock() - sent
+            if self._record_headers:
+                record.headers = {name: response.headers[name] for name in self._record_headers
+                                  if name in response.headers}
             if response.status_code != 200:
                 body = await _read_bounded(response)
                 record.error_kind = records.HTTP

@@ -179,7 +179,8 @@ def max_concurrency(records: Sequence[RequestRecord]) -> int:
 
 
 def per_turn(records: Sequence[RequestRecord]) -> list[dict]:
-    """Per turn index: requests, errors, median TTFT, prompt tokens, KV-cache usage (max)."""
+    """Per turn index: requests, errors, median TTFT, prompt tokens, KV-cache usage (max),
+    and requests the gateway trimmed."""
     turns: dict[int, list[RequestRecord]] = {}
     for record in records:
         turns.setdefault(record.turn, []).append(record)
@@ -199,6 +200,8 @@ def per_turn(records: Sequence[RequestRecord]) -> list[dict]:
             "median_prompt_tokens": percentile(prompt, 50) if prompt else math.nan,
             "median_prompt_chars": percentile([r.prompt_chars for r in group], 50),
             "max_kv_cache_usage": max(kv) if kv else math.nan,
+            # the project's gateway says so in `x-trim-status` (kept with --record-header)
+            "trimmed": sum(1 for r in group if (r.headers or {}).get("x-trim-status") == "trimmed"),
         })
     return rows
 

@@ -50,7 +50,8 @@ class RequestRecord:
     done: bool = False  # saw `data: [DONE]`
     error_kind: str | None = None
     error: str | None = None
-    engine: dict | None = None  # engine /metrics sampled when the first token arrived
+    engine: dict | None = None  # engine /metrics sampled while the request was in flight
+    headers: dict | None = None  # response headers asked for with --record-header
 
     @property
     def ok(self) -> bool:

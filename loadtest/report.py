@@ -177,18 +177,23 @@ def markdown(outcomes: Sequence[RunOutcome], comparisons: Sequence[Comparison], 
     multi = [o for o in outcomes if len(o.turns) > 1]
     if multi:
         lines += ["## Per turn", ""]
-        lines.append("| run | turn | requests | errors | median TTFT (ms) | median prompt tokens "
-                     "| median prompt chars | max KV-cache usage (%) |")
-        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+        lines.append("| run | turn | requests | errors | trimmed | median TTFT (ms) | median "
+                     "prompt tokens | median prompt chars | max KV-cache usage (%) |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for outcome in multi:
             for row in outcome.turns:
                 kv = row["max_kv_cache_usage"]
                 lines.append(
                     f"| {outcome.result.target}: {outcome.result.run} | {row['turn'] + 1} | "
-                    f"{row['requests']} | {row['errors']} | {_fmt(row['median_ttft_ms'])} | "
+                    f"{row['requests']} | {row['errors']} | {row['trimmed']} | "
+                    f"{_fmt(row['median_ttft_ms'])} | "
                     f"{_fmt(row['median_prompt_tokens'], 0)} | "
                     f"{_fmt(row['median_prompt_chars'], 0)} | "
                     f"{_fmt(kv * 100 if kv == kv else None, 2)} |")
+        lines += ["", "Prompt tokens are the server's `usage` of the requests that succeeded "
+                  "(after any trimming); prompt chars are what the client sent; `trimmed` "
+                  "counts responses with `x-trim-status: trimmed` (with `--record-header "
+                  "x-trim-status`)."]
         lines.append("")
 
     if plots:

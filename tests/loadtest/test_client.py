@@ -17,7 +17,7 @@ MESSAGES = [{"role": "user", "content": "plan a day in Lisbon"}]
 async def stream(url, *, max_tokens=8, timeout=10.0, extra=None, model="standin", hook=None):
     async with make_http_client(max_connections=4, timeout_s=timeout) as http:
         client = ChatClient(url, http=http, model=model, timeout_s=timeout, extra_body=extra,
-                            headers={"x-test": "1"})
+                            headers={"x-test": "1"}, record_headers=("X-Request-Id", "x-none"))
         record = RequestRecord(request_id="req-1", session_id="s-1", max_tokens=max_tokens)
         origin = time.perf_counter()
         answer = await client.stream(record, MESSAGES, origin=origin, on_first_token=hook)
@@ -49,6 +49,7 @@ async def test_chunk_timings_usage_and_text(standin):
     assert record.e2e_s == record.chunk_s[-1] <= record.closed_s
     assert record.first_chunk_s <= record.ttft_s
     assert record.finish_reason == "length"
+    assert record.headers == {"x-request-id": "req-1"}  # asked-for response headers kept
 
 
 async def test_request_carries_stream_options_and_headers(standin):

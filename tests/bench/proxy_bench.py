@@ -29,6 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
+
 from tests.bench.loadgen import summarize
 from tests.bench.procs import PYTHON, Processes, Started, free_port, wait_chat_ready
 
@@ -93,6 +95,10 @@ def run_loadgen(
     if done.returncode != 0:
         raise RuntimeError(f"load generator failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout)
+
+
+def engine_stats(engine_url: str) -> dict:
+    return httpx.get(f"{engine_url}/_standin/stats", timeout=10.0).json()
 
 
 def figures(results: dict[str, dict[int, dict]], path: str) -> dict:
@@ -242,6 +248,14 @@ def render_markdown(report: dict, trim: dict | None) -> str:
         "",
         render_tables(report),
         "",
+        "Engine-side counts over each path's whole run (warm-ups included): "
+        + "; ".join(
+            f"{path}: {sum(r.get('engine_counts', {}).get('started', 0) for r in phases.values())} requests, "
+            f"{sum(r.get('engine_counts', {}).get('tokenize_calls', 0) for r in phases.values())} /tokenize calls, "
+            f"{sum(r.get('engine_counts', {}).get('aborted', 0) for r in phases.values())} aborted"
+            for path, phases in report["results"].items()
+        ),
+        "",
         "## Goals (gateway issue), for the gateway",
         "",
         f"- added latency at most vllm-router's + 0.3 ms: {_mark(goals.get('added_ttft'))}",
@@ -338,11 +352,18 @@ def main(argv: list[str] | None = None) -> int:
                     cpu = {"engine": engine}
                     if started[path]["process"] is not None:
                         cpu["proxy"] = started[path]["process"]
-                    windows[path].append(
-                        run_loadgen(procs, started[path]["url"], concurrency, duration, args.warmup, cpu, rounds > 1)
-                    )
+                    before = engine_stats(engine_url)
+                    window = run_loadgen(procs, started[path]["url"], concurrency, duration, args.warmup, cpu, rounds > 1)
+                    after = engine_stats(engine_url)
+                    # what the proxy made the engine do besides generating (whole run, not the window)
+                    window["engine_counts"] = {key: after[key] - before[key] for key in ("tokenize_calls", "aborted", "started")}
+                    windows[path].append(window)
             for path in live:
                 result = summarize(windows[path])
+                result["engine_counts"] = {
+                    key: sum(window["engine_counts"][key] for window in windows[path])
+                    for key in ("tokenize_calls", "aborted", "started")
+                }
                 result.pop("ttft_samples_ms", None)
                 results[path][concurrency] = result
                 print(

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -40,6 +41,9 @@ class GatewayServer(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():  # tests run it in a thread
+            yield
+            return
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.handle_exit, sig, None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -18,7 +19,7 @@ from loadtest.client import ChatClient, make_http_client, normalize_base_url
 from loadtest.engine_probe import EngineProbe
 from loadtest.progress import Progress
 from loadtest.report import Comparison, RunOutcome, console_table, write_outputs
-from loadtest.runner import LoadShape, Runner, StopRule
+from loadtest.runner import LoadShape, Runner, StopRule, Target
 from loadtest.schedule import ARRIVALS
 from loadtest.slo import SLOError, parse_slos, verdict
 
@@ -169,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     ab = parser.add_argument_group("A/B comparison")
     ab.add_argument("--compare", metavar="URL2", help="run the same workload against URL2 (B)")
+    ab.add_argument("--compare-mode", choices=("sequential", "paired"), default="sequential",
+                    help="sequential: the whole run on A, then on B (default); paired: every "
+                         "turn goes to A and B back to back (order alternating per session), "
+                         "for small differences on a noisy machine")
     ab.add_argument("--compare-model", help="model name at URL2 (default: --model)")
     ab.add_argument("--compare-header", action="append", type=_header, default=[],
                     metavar="'K: V'", help="extra header for B only (e.g. 'x-trim-mode: off')")
@@ -239,42 +244,59 @@ def _targets(args: argparse.Namespace) -> list[dict]:
 
 async def run_all(args: argparse.Namespace, shapes: list[LoadShape], stop: StopRule,
                   slos: dict[str, float], progress: Progress) -> tuple[list, list]:
-    """Every load level against every target (A then B per level)."""
+    """Every load level against every target: A then B per level, or both paired."""
     outcomes: list[RunOutcome] = []
     comparisons: list[Comparison] = []
     targets = _targets(args)
+    groups = [targets] if args.compare_mode == "paired" and len(targets) == 2 else [
+        [t] for t in targets]
     async with httpx.AsyncClient(trust_env=False) as probe_http:
         for shape in shapes:
             level: list[RunOutcome] = []
-            for target in targets:
-                pool = shape.concurrency if shape.concurrency else None
-                async with make_http_client(max_connections=pool, timeout_s=args.timeout) as http:
-                    client = ChatClient(target["url"], http=http, model=target["model"],
-                                        api_key=args.api_key, headers=target["headers"],
-                                        timeout_s=args.timeout, extra_body=target["extra"],
-                                        record_headers=tuple(args.record_header))
-                    probe = (EngineProbe(target["metrics_url"], http=probe_http,
-                                         interval_s=args.metrics_interval)
-                             if target["metrics_url"] else None)
-                    runner = Runner(client, _sessions(args), shape, stop, target=target["label"],
-                                    run=shape.label, think_time_s=args.think_time,
-                                    end_session_on_error=args.end_session_on_error,
-                                    seed=args.seed, probe=probe, on_record=progress.update)
-                    progress.start(f"{target['label']}: {shape.label}",
-                                   stop.num_requests + stop.warmup_requests
-                                   if stop.num_requests is not None else None)
-                    try:
-                        result = await runner.run()
-                    finally:
-                        await progress.stop()
-                outcome = RunOutcome.of(result, normalize_base_url(target["url"]), slos)
-                if slos:
-                    outcome.verdict = verdict(outcome.summary, args.slo_attainment)
-                level.append(outcome)
+            for group in groups:
+                results = await _run_group(args, group, shape, stop, progress, probe_http)
+                for target, result in zip(group, results):
+                    outcome = RunOutcome.of(result, normalize_base_url(target["url"]), slos)
+                    if slos:
+                        outcome.verdict = verdict(outcome.summary, args.slo_attainment)
+                    level.append(outcome)
             outcomes += level
             if len(level) == 2:
-                comparisons.append(Comparison(shape.label, level[0], level[1]))
+                comparisons.append(Comparison(shape.label, level[0], level[1],
+                                              mode=args.compare_mode))
     return outcomes, comparisons
+
+
+async def _run_group(args, group: list[dict], shape: LoadShape, stop: StopRule,
+                     progress: Progress, probe_http: httpx.AsyncClient) -> list:
+    """One run of one target, or of two paired targets; one RunResult per target."""
+    pool = shape.concurrency if shape.concurrency else None
+    async with contextlib.AsyncExitStack() as stack:
+        runner_targets = []
+        for target in group:
+            http = await stack.enter_async_context(
+                make_http_client(max_connections=pool, timeout_s=args.timeout))
+            client = ChatClient(target["url"], http=http, model=target["model"],
+                                api_key=args.api_key, headers=target["headers"],
+                                timeout_s=args.timeout, extra_body=target["extra"],
+                                record_headers=tuple(args.record_header))
+            probe = (EngineProbe(target["metrics_url"], http=probe_http,
+                                 interval_s=args.metrics_interval)
+                     if target["metrics_url"] else None)
+            runner_targets.append(Target(target["label"], client, probe))
+        first, *others = runner_targets
+        runner = Runner(first.client, _sessions(args), shape, stop, target=first.label,
+                        run=shape.label, think_time_s=args.think_time,
+                        end_session_on_error=args.end_session_on_error, seed=args.seed,
+                        probe=first.probe, paired_with=others[0] if others else None,
+                        on_record=progress.update)
+        total = (stop.num_requests + stop.warmup_requests) * len(group) if (
+            stop.num_requests is not None) else None
+        progress.start(" + ".join(t.label for t in runner_targets) + f": {shape.label}", total)
+        try:
+            return await runner.run_all()
+        finally:
+            await progress.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

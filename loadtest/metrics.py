@@ -234,3 +234,23 @@ def differences(a: dict, b: dict, keys: Sequence[str] = RATIO_KEYS) -> dict[str,
         else:
             result[key] = math.nan
     return result
+
+
+def paired_differences(a: Sequence[RequestRecord], b: Sequence[RequestRecord]) -> dict:
+    """B - A per prompt, for requests both targets answered (matched by session and turn).
+
+    The median of paired differences is the robust way to see a small added latency (such as a
+    proxy's) on a noisy machine: each pair was sent with the same prompt, and in a paired run
+    (`--compare-mode paired`) also at nearly the same moment.
+    """
+    by_key = {(r.session_id, r.turn): r for r in a if r.ok}
+    pairs = [(by_key[(r.session_id, r.turn)], r) for r in b
+             if r.ok and (r.session_id, r.turn) in by_key]
+    result: dict = {"pairs": len(pairs)}
+    for name, value in (("ttft", lambda r: r.ttft_s), ("e2el", lambda r: r.e2e_s)):
+        diffs = [(value(rb) - value(ra)) * 1000 for ra, rb in pairs
+                 if value(ra) is not None and value(rb) is not None]
+        stats = describe(diffs)
+        for stat in ("mean", "median", "p90"):
+            result[f"{stat}_{name}_diff_ms"] = stats.get(stat, math.nan)
+    return result

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadtest.metrics import ALIASES, differences, per_turn, ratios, summarize
+from loadtest.metrics import (ALIASES, differences, paired_differences, per_turn, ratios,
+                              summarize)
 from loadtest.runner import RunResult
 
 CAVEAT = ("Figures depend on the machine, the model and the engine settings: a tiny model on a "
@@ -51,16 +52,20 @@ class Comparison:
     run: str
     a: RunOutcome
     b: RunOutcome
+    mode: str = "sequential"
     ratios: dict = field(init=False)
     differences: dict = field(init=False)
+    paired: dict = field(init=False)
 
     def __post_init__(self) -> None:
         self.ratios = ratios(self.a.summary, self.b.summary)
         self.differences = differences(self.a.summary, self.b.summary)
+        self.paired = paired_differences(self.a.result.measured, self.b.result.measured)
 
     def to_json(self) -> dict:
-        return {"run": self.run, "ratios_b_over_a": _finite(self.ratios),
-                "differences_b_minus_a": _finite(self.differences)}
+        return {"run": self.run, "mode": self.mode, "ratios_b_over_a": _finite(self.ratios),
+                "differences_b_minus_a": _finite(self.differences),
+                "per_prompt_differences_b_minus_a": _finite(self.paired)}
 
 
 def _finite(value):
@@ -147,6 +152,17 @@ def markdown(outcomes: Sequence[RunOutcome], comparisons: Sequence[Comparison], 
                     f"| {comparison.run} | {key} | {_fmt(comparison.a.summary.get(key), 2)} | "
                     f"{_fmt(comparison.b.summary.get(key), 2)} | {_fmt(ratio, 3)} | "
                     f"{_fmt(comparison.differences.get(key), 2)} |")
+        lines += ["", "Per prompt (B - A over the prompts both answered, matched by session "
+                  "and turn; in `paired` mode each pair was sent back to back):", "",
+                  "| run | mode | pairs | TTFT median | TTFT mean | TTFT p90 | E2E median | "
+                  "E2E mean | E2E p90 |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for comparison in comparisons:
+            p = comparison.paired
+            lines.append(
+                f"| {comparison.run} | {comparison.mode} | {p['pairs']} | "
+                + " | ".join(f"{_fmt(p[f'{stat}_{name}_diff_ms'], 2)} ms"
+                             for name in ("ttft", "e2el") for stat in ("median", "mean", "p90"))
+                + " |")
         lines.append("")
 
     verdicts = [o for o in outcomes if o.verdict is not None]
@@ -257,6 +273,8 @@ def console_table(outcomes: Sequence[RunOutcome], comparisons: Sequence[Comparis
         r = comparison.ratios
         text += (f"\nB/A at {comparison.run}: TTFT p50 x{_fmt(r['median_ttft_ms'], 3)}, "
                  f"E2E p50 x{_fmt(r['median_e2el_ms'], 3)}, "
-                 f"throughput x{_fmt(r['request_throughput'], 3)}; TTFT p50 B-A "
-                 f"{_fmt(comparison.differences['median_ttft_ms'], 2)} ms")
+                 f"throughput x{_fmt(r['request_throughput'], 3)}; per prompt B-A: TTFT median "
+                 f"{_fmt(comparison.paired['median_ttft_diff_ms'], 2)} ms, E2E median "
+                 f"{_fmt(comparison.paired['median_e2el_diff_ms'], 2)} ms "
+                 f"({comparison.paired['pairs']} pairs)")
     return text + "\n(latencies in ms)"

@@ -92,8 +92,22 @@ class RunResult:
         return [r for r in self.records if r.phase == "measure"]
 
 
+@dataclass(frozen=True)
+class Target:
+    """One server under test: its label in reports, its client, its optional engine probe."""
+
+    label: str
+    client: ChatClient
+    probe: EngineProbe | None = None
+
+
 class Runner:
-    """Runs `sessions` against `client` with `shape` until `stop`; see the module docstring."""
+    """Runs `sessions` against `client` with `shape` until `stop`; see the module docstring.
+
+    With `paired_with`, every turn is sent to both targets back to back by the same simulated
+    user (each target keeps its own conversation history; the order alternates per session),
+    so slow drifts of a shared, noisy machine hit both alike: a paired A/B.
+    """
 
     def __init__(
         self,
@@ -108,34 +122,41 @@ class Runner:
         end_session_on_error: bool = False,
         seed: int = 0,
         probe: EngineProbe | None = None,
+        paired_with: Target | None = None,
         on_record: Callable[[RequestRecord], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self._client = client
+        self._targets = [Target(target, client, probe)] + ([paired_with] if paired_with else [])
         self._sessions = iter(sessions)
         self._shape = shape
         self._stop = stop
-        self._target = target
         self._run = run
         self._think_time_s = think_time_s
         self._end_session_on_error = end_session_on_error
         self._seed = seed
-        self._probe = probe
         self._on_record = on_record
         self._clock = clock
         self._records: list[RequestRecord] = []
         self._issued = 0
         self._measured = 0
+        self._sessions_started = 0
         self._measure_start: float | None = None
         self._stopping = False
         self._origin = 0.0
         self._ceiling: asyncio.Semaphore | None = None
 
     async def run(self) -> RunResult:
-        before = await self._probe.scrape() if self._probe else None
+        """Run a single target (see `run_all` for paired runs)."""
+        return (await self.run_all())[0]
+
+    async def run_all(self) -> list[RunResult]:
+        """Run; one result per target."""
+        probes = [t.probe for t in self._targets]
+        before = [await p.scrape() if p else None for p in probes]
         self._origin = self._clock()
-        if self._probe:
-            self._probe.start_sampling(self._origin)
+        for probe in probes:
+            if probe:
+                probe.start_sampling(self._origin)
         if self._shape.rate is None:
             workers = [asyncio.create_task(self._user()) for _ in range(self._shape.concurrency)]
             await _gather_all(workers)
@@ -144,20 +165,30 @@ class Runner:
                 self._ceiling = asyncio.Semaphore(self._shape.concurrency)
             await self._open_loop()
         wall = self._clock() - self._origin
+        results = []
+        for target, start in zip(self._targets, before):
+            records = sorted((r for r in self._records if r.target == target.label),
+                             key=lambda r: r.sent_s)
+            engine = await self._engine_summary(target.probe, start, records)
+            results.append(RunResult(target.label, self._run, self._shape, records, wall, engine))
+        return results
+
+    async def _engine_summary(self, probe: EngineProbe | None, before: dict | None,
+                              records: list[RequestRecord]) -> dict:
+        if probe is None:
+            return {}
+        await probe.stop_sampling()
+        for record in records:
+            record.engine = during(probe.samples, record.sent_s, record.end_s)
+        after = await probe.scrape()
         engine: dict = {}
-        if self._probe:
-            await self._probe.stop_sampling()
-            for record in self._records:
-                record.engine = during(self._probe.samples, record.sent_s, record.end_s)
-            after = await self._probe.scrape()
-            if before is not None and after is not None:
-                engine = counter_deltas(before, after)
-            engine["samples"] = [[round(s.start, 4), s.values.get("vllm:kv_cache_usage_perc"),
-                                  s.values.get("vllm:num_requests_running"),
-                                  s.values.get("vllm:num_requests_waiting")]
-                                 for s in self._probe.samples]
-        records = sorted(self._records, key=lambda r: r.sent_s)
-        return RunResult(self._target, self._run, self._shape, records, wall, engine)
+        if before is not None and after is not None:
+            engine = counter_deltas(before, after)
+        engine["samples"] = [[round(s.start, 4), s.values.get("vllm:kv_cache_usage_perc"),
+                              s.values.get("vllm:num_requests_running"),
+                              s.values.get("vllm:num_requests_waiting")]
+                             for s in probe.samples]
+        return engine
 
     def _ticket(self) -> tuple[int, str] | None:
         """(index, phase) for the next request, or None when the run is over."""
@@ -218,38 +249,45 @@ class Runner:
 
     async def _session(self, session: Session, scheduled: float,
                        ticket: tuple[int, str] | None) -> None:
-        history: list[dict] = []
+        order = list(self._targets)
+        if self._sessions_started % 2:
+            order.reverse()  # paired runs: alternate who goes first
+        self._sessions_started += 1
+        histories: dict[str, list[dict] | None] = {t.label: [] for t in order}
         for turn, (message, max_tokens) in enumerate(zip(session.turns, session.max_tokens)):
             ticket = ticket or self._ticket()
             if ticket is None:
                 return
             index, phase = ticket
             ticket = None
-            record = RequestRecord(
-                request_id=f"{_slug(self._target)}-{_slug(self._run)}-{index}", target=self._target,
-                run=self._run, phase=phase, session_id=session.id, turn=turn,
-                max_tokens=max_tokens, scheduled_s=scheduled - self._origin)
-            messages = [*session.prefix, *history, message]
-            async with self._ceiling or contextlib.nullcontext():
-                answer = await self._client.stream(
-                    record, messages, origin=self._origin,
-                    on_first_token=self._first_token_hook(record))
-            self._records.append(record)
-            if self._on_record is not None:
-                self._on_record(record)
-            if record.ok:
-                history += [message, {"role": "assistant", "content": answer.text}]
-            elif self._end_session_on_error:
+            failed = False
+            for target in order:
+                if histories[target.label] is None:
+                    continue  # this target's session was abandoned after an error
+                record = RequestRecord(
+                    request_id=f"{_slug(target.label)}-{_slug(self._run)}-{index}",
+                    target=target.label, run=self._run, phase=phase, session_id=session.id,
+                    turn=turn, max_tokens=max_tokens, scheduled_s=scheduled - self._origin)
+                history = histories[target.label]
+                messages = [*session.prefix, *history, message]
+                async with self._ceiling or contextlib.nullcontext():
+                    answer = await target.client.stream(
+                        record, messages, origin=self._origin,
+                        on_first_token=target.probe.sample if target.probe else None)
+                self._records.append(record)
+                if self._on_record is not None:
+                    self._on_record(record)
+                if record.ok:
+                    history += [message, {"role": "assistant", "content": answer.text}]
+                elif self._end_session_on_error:
+                    histories[target.label] = None
+                    failed = True
+                scheduled = self._clock()
+            if failed and all(h is None for h in histories.values()):
                 return
             scheduled = self._clock() + self._think_time_s
             if self._think_time_s > 0:
                 await asyncio.sleep(self._think_time_s)
-
-    def _first_token_hook(self, record: RequestRecord) -> Callable[[], None] | None:
-        """With a probe: one extra sample when a request's first token arrives."""
-        if self._probe is None:
-            return None
-        return self._probe.sample
 
 
 async def _gather_all(tasks: list[asyncio.Task]) -> None:

@@ -123,3 +123,15 @@ async def test_progress_plain_lines_when_not_a_terminal():
     assert len(lines) >= 2 and "\r" not in stream.getvalue()
     assert "2/2 requests" in lines[-1] and "TTFT p50 200 ms" in lines[-1]
     assert "errors 1" in lines[-1]
+
+
+def test_paired_compare_mode(standin, tmp_path):
+    code = main(["--url", standin, "--compare", standin, "--compare-mode", "paired",
+                 "--scenario", "random", "--input-chars", "40", "--concurrency", "2",
+                 "--num-requests", "6", "--no-plots", "--output", str(tmp_path), *FAST])
+    assert code == EXIT_OK
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [r["summary"]["completed"] for r in summary["runs"]] == [6, 6]
+    comparison = summary["comparisons"][0]
+    assert comparison["mode"] == "paired"
+    assert comparison["per_prompt_differences_b_minus_a"]["pairs"] == 6

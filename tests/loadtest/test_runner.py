@@ -136,3 +136,44 @@ def test_each_request_gets_the_highest_sample_while_it_was_in_flight():
     assert during(samples, 0.05, 0.25)["vllm:kv_cache_usage_perc"] == 0.3
     assert during(samples, 0.15, 0.25)["vllm:kv_cache_usage_perc"] == 0.2
     assert during(samples, 0.012, 0.09) is None
+
+
+async def test_paired_run_sends_every_turn_to_both_targets_back_to_back(standin):
+    from loadtest.runner import Target
+
+    async with make_http_client(max_connections=4, timeout_s=10) as http:
+        a = ChatClient(standin, http=http, model="standin", timeout_s=10)
+        b = ChatClient(standin + "/v1", http=http, model="standin", timeout_s=10,
+                       headers={"x-variant": "b"})
+        runner = Runner(a, scenarios.itinerary(0, turns=3, max_tokens=4),
+                        LoadShape(concurrency=1), StopRule(num_requests=6), target="A",
+                        paired_with=Target("B", b))
+        result_a, result_b = await runner.run_all()
+    assert len(result_a.records) == len(result_b.records) == 6
+    merged = sorted(result_a.records + result_b.records, key=lambda r: r.sent_s)
+    # session 0: A first, session 1: B first; each turn on both before the next turn
+    assert [r.target for r in merged] == ["A", "B"] * 3 + ["B", "A"] * 3
+    assert [(r.session_id, r.turn) for r in merged[::2]] == [
+        (r.session_id, r.turn) for r in merged[1::2]]
+    # separate histories, equally long
+    assert [r.prompt_messages for r in result_a.records] == [2, 4, 6] * 2
+    assert [r.prompt_messages for r in result_b.records] == [2, 4, 6] * 2
+
+
+def test_paired_differences_match_prompts():
+    from loadtest.metrics import paired_differences
+    from loadtest.records import RequestRecord
+
+    def rec(target, session, turn, ttft, e2e, ok=True):
+        return RequestRecord(request_id=f"{target}{session}{turn}", target=target,
+                             session_id=session, turn=turn, ttft_s=ttft, e2e_s=e2e,
+                             error_kind=None if ok else "http")
+
+    a = [rec("A", "s", 0, 0.100, 0.200), rec("A", "s", 1, 0.300, 0.400),
+         rec("A", "t", 0, 0.5, 0.6, ok=False)]
+    b = [rec("B", "s", 1, 0.302, 0.410), rec("B", "s", 0, 0.101, 0.201),
+         rec("B", "t", 0, 0.1, 0.1)]
+    diffs = paired_differences(a, b)
+    assert diffs["pairs"] == 2
+    assert diffs["median_ttft_diff_ms"] == pytest.approx(1.5)
+    assert diffs["mean_e2el_diff_ms"] == pytest.approx(5.5)

@@ -295,3 +295,24 @@ def test_client_disconnect_is_seen_and_counted(standin, client, stream):
     wait_for(lambda: stats(client, url)["aborted"] == 1)
     seen = stats(client, url)
     assert seen["running"] == 0 and seen["finished"] == 0 and seen["started"] == 1
+
+
+def test_the_openai_sdk_reads_the_standin_like_an_engine(standin):
+    import openai
+
+    url, _ = standin
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    assert [model.id for model in client.models.list().data] == ["m"]
+    answer = client.chat.completions.create(model="m", messages=MESSAGES)
+    assert answer.usage.prompt_tokens == count_chat_tokens(MESSAGES)
+    stream = client.chat.completions.create(
+        model="m", messages=MESSAGES, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert text == answer.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 5
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=MESSAGES)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=10_000)

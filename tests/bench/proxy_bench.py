@@ -69,10 +69,15 @@ def start_paths(procs: Processes, engine_url: str, paths: list[str]) -> dict[str
             ]  # fmt: skip
         else:
             raise SystemExit(f"unknown path {path!r}; known: {', '.join(ALL_PATHS)}")
-        started = procs.start(path, argv, core=PROXY_CORE)
+        try:
+            started = procs.start(path, argv, core=PROXY_CORE)
+        except OSError as exc:  # e.g. vllm-router not installed
+            print(f"!! {path} is not available: {exc}", file=sys.stderr)
+            out[path] = {"url": None, "process": None, "command": " ".join(argv), "error": str(exc)}
+            continue
         out[path] = {"url": f"http://127.0.0.1:{port}", "process": started, "command": " ".join(argv), "error": None}
     for path, info in out.items():
-        if info["process"] is not None:
+        if info["process"] is not None and info["error"] is None:
             info["error"] = wait_chat_ready(info["process"], info["url"], MODEL)
             if info["error"]:
                 print(f"!! {path} is not available: {info['error']}", file=sys.stderr)

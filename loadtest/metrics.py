@@ -241,16 +241,24 @@ def paired_differences(a: Sequence[RequestRecord], b: Sequence[RequestRecord]) -
 
     The median of paired differences is the robust way to see a small added latency (such as a
     proxy's) on a noisy machine: each pair was sent with the same prompt, and in a paired run
-    (`--compare-mode paired`) also at nearly the same moment.
+    (`--compare-mode paired`) also at nearly the same moment. When A and B share one engine,
+    the second request of a pair finds the first one's prompt in the prefix cache; paired runs
+    alternate who goes first, and `balanced_*` (the mean of the median over pairs where A went
+    first and the median over pairs where B went first) cancels that advantage.
     """
     by_key = {(r.session_id, r.turn): r for r in a if r.ok}
     pairs = [(by_key[(r.session_id, r.turn)], r) for r in b
              if r.ok and (r.session_id, r.turn) in by_key]
     result: dict = {"pairs": len(pairs)}
     for name, value in (("ttft", lambda r: r.ttft_s), ("e2el", lambda r: r.e2e_s)):
-        diffs = [(value(rb) - value(ra)) * 1000 for ra, rb in pairs
+        diffs = [((value(rb) - value(ra)) * 1000, ra.sent_s < rb.sent_s) for ra, rb in pairs
                  if value(ra) is not None and value(rb) is not None]
-        stats = describe(diffs)
+        stats = describe([d for d, _ in diffs])
         for stat in ("mean", "median", "p90"):
             result[f"{stat}_{name}_diff_ms"] = stats.get(stat, math.nan)
+        a_first = [d for d, first in diffs if first]
+        b_first = [d for d, first in diffs if not first]
+        result[f"balanced_{name}_diff_ms"] = (
+            (percentile(a_first, 50) + percentile(b_first, 50)) / 2 if a_first and b_first
+            else math.nan)
     return result

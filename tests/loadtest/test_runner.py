@@ -177,3 +177,22 @@ def test_paired_differences_match_prompts():
     assert diffs["pairs"] == 2
     assert diffs["median_ttft_diff_ms"] == pytest.approx(1.5)
     assert diffs["mean_e2el_diff_ms"] == pytest.approx(5.5)
+
+
+def test_balanced_difference_cancels_the_advantage_of_going_second():
+    from loadtest.metrics import paired_differences
+    from loadtest.records import RequestRecord
+
+    a, b = [], []
+    # true overhead of B: +2 ms; whoever goes second is 10 ms faster (prefix cache)
+    for i in range(10):
+        a_first = i < 6  # unbalanced on purpose
+        ta = 0.050 - (0 if a_first else 0.010)
+        tb = 0.052 - (0.010 if a_first else 0)
+        a.append(RequestRecord(request_id=f"a{i}", session_id=str(i), sent_s=0.0 if a_first else 1,
+                               ttft_s=ta, e2e_s=ta))
+        b.append(RequestRecord(request_id=f"b{i}", session_id=str(i), sent_s=1 if a_first else 0.0,
+                               ttft_s=tb, e2e_s=tb))
+    diffs = paired_differences(a, b)
+    assert diffs["balanced_ttft_diff_ms"] == pytest.approx(2.0)
+    assert diffs["median_ttft_diff_ms"] != pytest.approx(2.0)  # the plain median is fooled

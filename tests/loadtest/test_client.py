@@ -5,7 +5,6 @@ import json
 import time
 
 import httpx
-import pytest
 
 from loadtest.client import ChatClient, make_http_client, normalize_base_url
 from loadtest.records import RequestRecord

@@ -34,7 +34,7 @@ from server.gateway.proxy import PATHS, Proxy
 from server.gateway.settings import GatewaySettings
 from server.gateway.trim_middleware import TrimmingMiddleware
 from server.gateway.trim_target import make_lookup
-from server.gateway.upstream_client import UpstreamTransport
+from server.gateway.upstream_client import ClientTransport, UpstreamTransport
 from server.gateway.upstreams import Upstreams, build_upstreams
 from server.profiles import Profile
 
@@ -51,12 +51,11 @@ class GatewayState:
     draining: bool = False  # set on shutdown: /ready answers 503 so balancers stop sending
 
 
-def new_http_client(settings: GatewaySettings) -> httpx.AsyncClient:
-    """The client for traffic to engines: `limits.max_connections` to each engine, an O(1) pool
-    (server.gateway.upstream_client), no proxies from the environment."""
+def new_http_client(settings: GatewaySettings, transport: httpx.AsyncBaseTransport) -> httpx.AsyncClient:
+    """The client for traffic to engines besides the proxied requests themselves (/tokenize)."""
     t = settings.timeouts
     return httpx.AsyncClient(
-        transport=UpstreamTransport(max_connections=settings.limits.max_connections, keepalive_expiry=30.0),
+        transport=transport, headers={"accept-encoding": "identity"},
         timeout=httpx.Timeout(connect=t.connect, read=max(t.first_byte, t.idle) + 5.0,
                               write=max(t.connect, 10.0), pool=t.first_byte),
         trust_env=False,
@@ -120,11 +119,18 @@ def create_app(settings: GatewaySettings, *, http_client: httpx.AsyncClient | No
     metrics = metrics if metrics is not None else GatewayMetrics(registry)
     engines = list(upstreams.engines())
     owns_client = http_client is None
-    client = http_client if http_client is not None else new_http_client(settings)
+    if http_client is None:
+        # `limits.max_connections` to each engine, an O(1) pool (server.gateway.upstream_client).
+        transport: httpx.AsyncBaseTransport = UpstreamTransport(
+            max_connections=settings.limits.max_connections, keepalive_expiry=30.0)
+        client = new_http_client(settings, transport)
+    else:
+        client, transport = http_client, ClientTransport(http_client)
     ops_client = _ops_client(settings)
     keys = load_api_keys(settings.auth, environ, base=settings.source.parent if settings.source else None)
 
-    proxy = Proxy(settings=settings, upstreams=upstreams, client=client, metrics=metrics, log_request=log_request)
+    proxy = Proxy(settings=settings, upstreams=upstreams, transport=transport, metrics=metrics,
+                  log_request=log_request)
     proxy.forward_auth = not keys  # without keys of its own, the gateway passes the client's on
     health = HealthChecker(upstreams, ops_client, settings.health)
     scraper = EngineMetricsScraper(

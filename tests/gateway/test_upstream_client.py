@@ -21,6 +21,8 @@ async def hello(scope, receive, send):
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
     for part in (b"hel", b"lo"):
         await send({"type": "http.response.body", "body": part, "more_body": True})
+        if scope["path"] == "/slow-body":
+            await asyncio.sleep(0.3)
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
@@ -64,8 +66,8 @@ async def test_max_connections_bounds_concurrent_requests(server_url):
 async def test_unfinished_responses_close_their_connection(server_url):
     transport = UpstreamTransport(max_connections=2)
     async with httpx.AsyncClient(transport=transport) as client:
-        async with client.stream("GET", f"{server_url}/") as response:
-            await response.aiter_raw().__anext__()
+        async with client.stream("GET", f"{server_url}/slow-body") as response:
+            assert await response.aiter_raw().__anext__() == b"hel"
         assert transport.idle_connections() == 0
         assert (await client.get(f"{server_url}/")).text == "hello"
 

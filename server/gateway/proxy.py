@@ -192,6 +192,15 @@ class Proxy:
         self.timeout_extension = httpx.Timeout(connect=t.connect, read=None, write=max(t.connect, 10.0),
                                                pool=t.first_byte).as_dict()
         self.forward_auth = False  # set by create_app when the gateway checks keys itself
+        self._urls: dict[tuple[str, Endpoint], httpx.URL] = {}
+
+    def url(self, engine: Engine, kind: Endpoint) -> httpx.URL:
+        """The engine's endpoint URL, parsed once (parsing costs more than the rest of a request's set-up)."""
+        key = (engine.url, kind)
+        url = self._urls.get(key)
+        if url is None:
+            url = self._urls[key] = httpx.URL(engine.url + PATHS[kind])
+        return url
 
     def endpoint(self, kind: Endpoint) -> ProxyEndpoint:
         return ProxyEndpoint(self, kind)
@@ -327,8 +336,8 @@ class Exchange:
 
     async def attempt(self, engine: Engine, raw: bytes) -> None:
         """Send the request to `engine` and relay its answer. Owns the upstream response: closed on every path."""
-        request = httpx.Request("POST", engine.url + PATHS[self.kind], content=raw, headers=self._upstream_headers(),
-                                extensions={"timeout": self.proxy.timeout_extension})
+        request = httpx.Request("POST", self.proxy.url(engine, self.kind), content=raw,
+                                headers=self._upstream_headers(), extensions={"timeout": self.proxy.timeout_extension})
         response: httpx.Response | None = None
         try:
             try:

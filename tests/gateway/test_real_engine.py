@@ -28,7 +28,8 @@ def gateway_url(real_engine):
 
 @pytest.fixture
 def client(gateway_url):
-    return openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="sk-test", max_retries=0, timeout=60)
+    with openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="sk-test", max_retries=0, timeout=60) as client:
+        yield client
 
 
 def test_models_list_carries_max_model_len(client, real_engine):
@@ -77,6 +78,6 @@ def test_bad_requests_are_the_sdks_bad_request_error(client, real_engine):
 
 
 def test_wrong_key_is_the_sdks_authentication_error(gateway_url, real_engine):
-    wrong = openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="sk-nope", max_retries=0)
-    with pytest.raises(openai.AuthenticationError):
+    with openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="sk-nope", max_retries=0) as wrong, \
+            pytest.raises(openai.AuthenticationError):
         wrong.chat.completions.create(model=real_engine.model, messages=MESSAGES)

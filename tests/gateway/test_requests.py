@@ -153,10 +153,10 @@ def test_api_keys_with_the_openai_sdk(engines, gateway, caplog):
     (engine,) = engines(1)
     gw = gateway(fast_settings({"standin": [engine.url]}, auth={"api_keys_env": "TEST_GW_KEYS"}),
                  environ={"TEST_GW_KEYS": "sk-good-1,sk-good-2"})
-    with caplog.at_level(logging.DEBUG):
-        good = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="sk-good-2", max_retries=0)
+    with caplog.at_level(logging.DEBUG), \
+            openai.OpenAI(base_url=f"{gw.url}/v1", api_key="sk-good-2", max_retries=0) as good, \
+            openai.OpenAI(base_url=f"{gw.url}/v1", api_key="sk-wrong-key", max_retries=0) as bad:
         assert good.chat.completions.create(model="standin", messages=MESSAGES).choices
-        bad = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="sk-wrong-key", max_retries=0)
         with pytest.raises(openai.AuthenticationError) as info:
             bad.chat.completions.create(model="standin", messages=MESSAGES)
         assert info.value.status_code == 401

@@ -34,7 +34,7 @@ from server.gateway.proxy import PATHS, Proxy
 from server.gateway.settings import GatewaySettings
 from server.gateway.trim_middleware import TrimmingMiddleware
 from server.gateway.trim_target import make_lookup
-from server.gateway.upstream_client import ClientTransport, UpstreamTransport
+from server.gateway.upstream_client import ClientUpstream, UpstreamTransport
 from server.gateway.upstreams import Upstreams, build_upstreams
 from server.profiles import Profile
 
@@ -124,12 +124,13 @@ def create_app(settings: GatewaySettings, *, http_client: httpx.AsyncClient | No
         transport: httpx.AsyncBaseTransport = UpstreamTransport(
             max_connections=settings.limits.max_connections, keepalive_expiry=30.0)
         client = new_http_client(settings, transport)
+        upstream: Any = transport
     else:
-        client, transport = http_client, ClientTransport(http_client)
+        client, upstream = http_client, ClientUpstream(http_client)
     ops_client = _ops_client(settings)
     keys = load_api_keys(settings.auth, environ, base=settings.source.parent if settings.source else None)
 
-    proxy = Proxy(settings=settings, upstreams=upstreams, transport=transport, metrics=metrics,
+    proxy = Proxy(settings=settings, upstreams=upstreams, upstream=upstream, metrics=metrics,
                   log_request=log_request)
     proxy.forward_auth = not keys  # without keys of its own, the gateway passes the client's on
     health = HealthChecker(upstreams, ops_client, settings.health)

@@ -4,9 +4,10 @@ Why not httpx's default transport: httpcore's connection pool rescans every conn
 polls each idle socket) whenever a request starts or ends, which is quadratic in the number of
 open streams (measured here: ~500 us of CPU per streamed chunk at 64 streams, a tenth of the
 direct throughput), and its pure-Python HTTP parser plus half a dozen generator layers cost
-more per streamed chunk than everything else the gateway does. This transport keeps httpx's API
-for the rest of the gateway (`httpx.AsyncClient(transport=UpstreamTransport(...))`,
-`Response.aiter_raw`, httpx's exceptions) and underneath:
+more per streamed chunk than everything else the gateway does. The proxy calls its `post()`
+directly (no httpx Request/Response objects per request); other code uses it as an httpx
+transport (`httpx.AsyncClient(transport=UpstreamTransport(...))`). Either way it raises httpx's
+exceptions, and underneath:
 
 - one `asyncio.Protocol` per connection; httptools (the C parser uvicorn uses) turns bytes into
   status, headers and body chunks; the request goes out in a single write;
@@ -27,7 +28,8 @@ import ssl
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import httptools
 import httpx
@@ -126,7 +128,7 @@ class _Connection(asyncio.Protocol):
         finally:
             self._waiter = None
 
-    def send(self, request: httpx.Request, head: bytes, body: bytes) -> None:
+    def send(self, request: httpx.Request | None, head: bytes, body: bytes) -> None:
         self._begin()
         self.request = request
         assert self.transport is not None
@@ -169,6 +171,37 @@ class _Connection(asyncio.Protocol):
         self.closed = True
 
 
+class UpstreamResponse(Protocol):
+    """An engine's answer as the proxy reads it: iterate for body chunks as they arrive."""
+
+    status_code: int
+    headers: list[tuple[bytes, bytes]]
+
+    def __aiter__(self) -> AsyncIterator[bytes]: ...
+
+    async def aread(self) -> bytes: ...
+
+    async def aclose(self) -> None: ...
+
+
+class Upstream(Protocol):
+    """How the proxy talks to engines: UpstreamTransport, or ClientUpstream around any httpx client."""
+
+    def target(self, url: str) -> Any: ...
+
+    async def post(self, target: Any, headers: list[tuple[bytes, bytes]], body: bytes, *,
+                   connect_timeout: float | None = None, read_timeout: float | None = None) -> UpstreamResponse: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where `UpstreamTransport.post` sends: the origin and the request line, computed once."""
+
+    key: tuple[bytes, bytes, int]
+    host: str
+    request_line: bytes  # b"POST /v1/... HTTP/1.1\r\nhost: ...\r\n"
+
+
 class _Origin:
     """The connections to one engine: idle ones (LIFO) and a bound on how many are open."""
 
@@ -180,13 +213,22 @@ class _Origin:
 
 
 class _Body(httpx.AsyncByteStream):
-    """A response body; closing it gives the connection back, or closes it if it cannot be reused."""
+    """An engine's answer: status, headers and the body as it arrives (an `UpstreamResponse`).
+
+    Closing it gives the connection back to the pool, or closes the connection when the answer
+    was not read whole (which is how the engine learns that nobody is listening any more).
+    """
 
     def __init__(self, connection: _Connection, origin: _Origin, read_timeout: float | None) -> None:
         self._connection = connection
         self._origin = origin
         self._read_timeout = read_timeout
         self._closed = False
+        self.status_code = connection.status
+        self.headers = connection.headers
+
+    async def aread(self) -> bytes:
+        return b"".join([part async for part in self])
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         read_chunk, timeout = self._connection.read_chunk, self._read_timeout
@@ -206,7 +248,7 @@ class _Body(httpx.AsyncByteStream):
             connection.request = None
             self._origin.idle.append(connection)
         else:
-            connection.close()  # an unfinished answer: closing is how the engine learns to stop
+            connection.close()
         self._origin.slots.release()
 
 
@@ -236,7 +278,7 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         return None
 
     async def _connect(self, scheme: bytes, host: str, port: int, timeout: float | None,
-                       request: httpx.Request) -> _Connection:
+                       request: httpx.Request | None) -> _Connection:
         loop = asyncio.get_running_loop()
         tls = scheme == b"https"
         context = (self.ssl_context or ssl.create_default_context()) if tls else None
@@ -250,17 +292,43 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
             raise httpx.ConnectError(f"{host}:{port}: {exc.strerror or exc}", request=request) from None
         return connection
 
+    def target(self, url: str) -> Target:
+        """`url` parsed once, for `post`."""
+        parsed = httpx.URL(url)
+        scheme, host = parsed.raw_scheme, parsed.raw_host
+        port = parsed.port or _DEFAULT_PORTS.get(scheme, 80)
+        host_header = host if parsed.port is None else host + b":" + str(port).encode()
+        return Target((scheme, host, port), host.decode("ascii"), b"POST " + parsed.raw_path + b" HTTP/1.1\r\nhost: "
+                      + host_header + b"\r\n")
+
+    async def post(self, target: Target, headers: list[tuple[bytes, bytes]], body: bytes, *,
+                   connect_timeout: float | None = None, read_timeout: float | None = None) -> _Body:
+        """POST `body` to `target`; the answer once its headers arrived (raises httpx's exceptions)."""
+        lines = [target.request_line]
+        for name, value in headers:
+            lines += [name, b": ", value, b"\r\n"]
+        lines += [b"content-length: ", str(len(body)).encode(), b"\r\n\r\n"]
+        return await self._exchange(target.key, target.host, b"".join(lines), body, connect_timeout, read_timeout,
+                                    None)
+
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        """The same, for an httpx.AsyncClient built on this transport (health checks, /tokenize)."""
         url = request.url
         scheme, host = url.raw_scheme, url.raw_host
         port = url.port or _DEFAULT_PORTS.get(scheme, 80)
-        key = (scheme, host, port)
+        timeouts: dict[str, Any] = request.extensions.get("timeout", {})
+        head, body = await _serialize(request)
+        answer = await self._exchange((scheme, host, port), host.decode("ascii"), head, body,
+                                      timeouts.get("connect"), timeouts.get("read"), request)
+        return httpx.Response(status_code=answer.status_code, headers=answer.headers, stream=answer,
+                              extensions={"http_version": b"HTTP/1.1"})
+
+    async def _exchange(self, key: tuple[bytes, bytes, int], host: str, head: bytes, body: bytes,
+                        connect_timeout: float | None, read_timeout: float | None,
+                        request: httpx.Request | None) -> _Body:
         origin = self._origins.get(key)
         if origin is None:
             origin = self._origins[key] = _Origin(self.max_connections)
-        timeouts: dict[str, Any] = request.extensions.get("timeout", {})
-        head, body = await _serialize(request)
-
         await origin.slots.acquire()
         connection = None
         try:
@@ -268,11 +336,10 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
             reused = connection is not None
             while True:
                 if connection is None:
-                    connection = await self._connect(scheme, host.decode("ascii"), port, timeouts.get("connect"),
-                                                     request)
+                    connection = await self._connect(key[0], host, key[2], connect_timeout, request)
                 connection.send(request, head, body)
                 try:
-                    await connection.read_head(timeouts.get("read"))
+                    await connection.read_head(read_timeout)
                     break
                 except httpx.RemoteProtocolError:
                     connection.close()
@@ -284,9 +351,7 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
                 connection.close()
             origin.slots.release()
             raise
-        return httpx.Response(status_code=connection.status, headers=connection.headers,
-                              stream=_Body(connection, origin, timeouts.get("read")),
-                              extensions={"http_version": b"HTTP/1.1"})
+        return _Body(connection, origin, read_timeout)
 
     async def aclose(self) -> None:
         for origin in self._origins.values():
@@ -311,11 +376,36 @@ async def _serialize(request: httpx.Request) -> tuple[bytes, bytes]:
     return b"".join(lines), body
 
 
-class ClientTransport(httpx.AsyncBaseTransport):
-    """An httpx.AsyncClient (one a caller injects) as the transport the proxy sends through."""
+class _ClientResponse:
+    """An httpx.Response as an `UpstreamResponse`."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.response = response
+        self.status_code = response.status_code
+        self.headers = response.headers.raw
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self.response.aiter_raw()
+
+    async def aread(self) -> bytes:
+        return await self.response.aread()
+
+    async def aclose(self) -> None:
+        await self.response.aclose()
+
+
+class ClientUpstream:
+    """Any httpx.AsyncClient (one a caller injects, in tests) with the `post` of UpstreamTransport."""
 
     def __init__(self, client: httpx.AsyncClient) -> None:
         self.client = client
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        return await self.client.send(request, stream=True)
+    def target(self, url: str) -> httpx.URL:
+        return httpx.URL(url)
+
+    async def post(self, target: httpx.URL, headers: list[tuple[bytes, bytes]], body: bytes, *,
+                   connect_timeout: float | None = None, read_timeout: float | None = None) -> _ClientResponse:
+        timeout = httpx.Timeout(connect=connect_timeout, read=read_timeout, write=connect_timeout,
+                                pool=connect_timeout)
+        request = self.client.build_request("POST", target, content=body, headers=headers, timeout=timeout)
+        return _ClientResponse(await self.client.send(request, stream=True))

@@ -50,6 +50,6 @@ def test_no_memory_growth_across_10000_requests(engines, gateway):
     assert not [o for o in gc.get_objects() if isinstance(o, Exchange)]
     pool = gw.state.upstreams.models["standin"]
     assert all(e.outstanding == 0 for e in pool.engines)
-    transport = gw.state.proxy.transport
+    transport = gw.state.proxy.upstream
     assert transport.idle_connections() <= CONCURRENCY
     assert engine.stats()["running"] == 0

@@ -77,3 +77,23 @@ async def test_errors_are_httpx_errors():
     async with httpx.AsyncClient(transport=transport, timeout=2) as client:
         with pytest.raises(httpx.ConnectError):
             await client.get(f"http://127.0.0.1:{free_port()}/")
+
+
+def test_an_injected_httpx_client_carries_the_proxied_traffic(gateway):
+    from tests.gateway.conftest import chat_body, fast_settings, sse_events
+    from tests.standin import StandinConfig, build_app
+
+    engine = build_app(StandinConfig(ttft_ms=1, itl_ms=1, tokens=3))
+    with serve_in_thread(engine) as engine_url:
+        sent = []
+        client = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0),  # nothing left open
+                                   event_hooks={"request": [lambda request: _record(sent, request)]})
+        gw = gateway(fast_settings({"standin": [engine_url]}), http_client=client)
+        streamed = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body(stream=True), timeout=10)
+        plain = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body(), timeout=10)
+    assert sse_events(streamed.text)[-1] == "[DONE]" and plain.json()["choices"]
+    assert [r.url.path for r in sent] == ["/v1/chat/completions"] * 2
+
+
+async def _record(sent, request):
+    sent.append(request)

@@ -75,9 +75,10 @@ class _Guard:
     """
 
     __slots__ = ("task", "reason", "last", "_loop", "_handle", "_armed", "_streaming", "_first_byte_at",
-                 "_total_at", "_idle")
+                 "_total_at", "_idle", "_watcher")
 
-    def __init__(self, task: asyncio.Task, arrived: float, first_byte: float, idle: float, total: float) -> None:
+    def __init__(self, task: asyncio.Task, arrived: float, first_byte: float, idle: float, total: float,
+                 receive: Receive) -> None:
         self.task = task
         self.reason: str | None = None
         self._loop = asyncio.get_running_loop()
@@ -89,7 +90,17 @@ class _Guard:
         self._total_at = arrived + total
         self._idle = idle
         self._handle: asyncio.TimerHandle | None = None
-        self._arm(min(self._first_byte_at, self._total_at))
+        self._watcher: asyncio.Task | None = None
+        # The timer and the disconnect watcher start on the loop's next turn: by then the request
+        # has gone out to the engine, so setting them up costs nothing on the way there.
+        self._loop.call_soon(self._start, receive)
+
+    def _start(self, receive: Receive) -> None:
+        if not self._armed:
+            return
+        if not self._streaming:
+            self._arm(min(self._first_byte_at, self._total_at))
+        self._watcher = self._loop.create_task(_watch_disconnect(receive, self))
 
     def _arm(self, at: float) -> None:
         self._handle = self._loop.call_later(max(0.0, at - perf_counter()), self._check)
@@ -134,6 +145,11 @@ class _Guard:
         self._armed = False
         if self._handle is not None:
             self._handle.cancel()
+
+    def close(self) -> None:
+        self.disarm()
+        if self._watcher is not None:
+            self._watcher.cancel()
 
 
 async def _watch_disconnect(receive: Receive, guard: _Guard) -> None:
@@ -271,8 +287,7 @@ class Exchange:
         t = self.proxy.settings.timeouts
         task = asyncio.current_task()
         assert task is not None
-        guard = self.guard = _Guard(task, self.arrived, t.first_byte, t.idle, t.total)
-        watcher = asyncio.create_task(_watch_disconnect(receive, guard))
+        guard = self.guard = _Guard(task, self.arrived, t.first_byte, t.idle, t.total, receive)
         try:
             await self._forward(pool, body, raw)
         except asyncio.CancelledError:
@@ -282,8 +297,7 @@ class Exchange:
             task.uncancel()
             await self._on_guard(guard.reason)
         finally:
-            guard.disarm()
-            watcher.cancel()
+            guard.close()
 
     async def _forward(self, pool: ModelPool, body: dict, raw: bytes) -> None:
         """Try replicas until one answers; failures before the first byte move to the next one."""

@@ -1,0 +1,42 @@
+"""The tiny model builds offline and the same every time, with a chat template vLLM can use."""
+
+import hashlib
+import json
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+
+def digest(folder) -> dict[str, str]:
+    return {path.name: hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(folder.iterdir()) if path.is_file()}
+
+
+def test_tiny_model_is_deterministic_and_complete(tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    for folder in (first, second):
+        subprocess.run([sys.executable, "-m", "server", "tiny-model", str(folder)], check=True, cwd=ROOT,
+                       capture_output=True, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert digest(first) == digest(second)
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(digest(first))
+    config = json.loads((first / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (4, 2)  # GQA
+
+
+def test_chat_template_keeps_roles_and_tool_calls(tmp_path):
+    from transformers import AutoTokenizer
+
+    subprocess.run([sys.executable, "-m", "server", "tiny-model", str(tmp_path / "m")], check=True, cwd=ROOT,
+                   capture_output=True)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "m")
+    text = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
+         {"role": "assistant", "content": None,
+          "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+         {"role": "tool", "tool_call_id": "1", "content": "r"}],
+        tokenize=False, add_generation_prompt=True)
+    assert text == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                    "<|im_start|>assistant\n\n<tool_call>f {\"a\": 1}</tool_call><|im_end|>\n"
+                    "<|im_start|>tool\nr<|im_end|>\n<|im_start|>assistant\n")

@@ -21,7 +21,6 @@ from server.gateway.settings import GatewaySettings, ModelEngines
 from tests.standin import Standin, StandinConfig, build_app
 from tests.support import serve_in_thread
 
-
 # Stand-ins answer in ~10 ms unless a test needs them slower.
 FAST_ENGINE = {"ttft_ms": 2.0, "itl_ms": 1.0, "tokens": 6}
 

@@ -107,7 +107,8 @@ def test_serve_needs_models():
 
 def test_up_refuses_a_profile_this_host_cannot_run(tmp_path):
     config = tmp_path / "gateway.yaml"
-    config.write_text(f"models:\n  - profile: {ROOT / 'configs/profiles/chat-fp8.yaml'}\n    base_port: {free_port()}\n")
+    profile = ROOT / "configs/profiles/chat-fp8.yaml"  # cannot run here (GPU, fp8 KV cache)
+    config.write_text(f"models:\n  - profile: {profile}\n    base_port: {free_port()}\n")
     done = run_cli("up", "--config", str(config))
     assert done.returncode == 1 and "error:" in done.stderr
 

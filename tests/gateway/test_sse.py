@@ -57,7 +57,7 @@ def test_usage_is_found_however_the_stream_is_split(cuts):
     stream = ROLE + TOKEN + TOKEN + LAST + b"data: [DONE]\n\n"
     points = sorted({c % len(stream) for c in cuts} | {0, len(stream)})
     scanner = UsageScanner()
-    for start, end in zip(points, points[1:]):
+    for start, end in zip(points, points[1:], strict=False):
         scanner.feed(stream[start:end])
     assert scanner.finish() == USAGE
 

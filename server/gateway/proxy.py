@@ -401,11 +401,9 @@ class Exchange:
     async def _relay_stream(self, response: UpstreamResponse, engine: Engine) -> None:
         """Relay an SSE stream chunk by chunk; a failure after the first chunk ends it with an error event."""
         send = self.send
-        chunks = response.__aiter__()
+        read_chunk = response.read_chunk  # b"" at the end; no async-generator layer per chunk
         try:
-            first = await chunks.__anext__()
-        except StopAsyncIteration:
-            first = b""
+            first = await read_chunk()
         except _RETRYABLE as exc:
             raise _Retry(UpstreamFailed(f"Engine {engine.id} broke off before its first chunk "
                                         f"({type(exc).__name__}).")) from None
@@ -425,7 +423,7 @@ class Exchange:
         scanner.feed(first)
         await send({"type": "http.response.body", "body": first, "more_body": True})
         try:
-            async for chunk in chunks:
+            while chunk := await read_chunk():
                 now = perf_counter()
                 if guard is not None:
                     guard.last = now

@@ -172,12 +172,14 @@ class _Connection(asyncio.Protocol):
 
 
 class UpstreamResponse(Protocol):
-    """An engine's answer as the proxy reads it: iterate for body chunks as they arrive."""
+    """An engine's answer as the proxy reads it: body chunks as they arrive, or whole."""
 
     status_code: int
     headers: list[tuple[bytes, bytes]]
 
     def __aiter__(self) -> AsyncIterator[bytes]: ...
+
+    async def read_chunk(self) -> bytes: ...  # what arrived since the last call; b"" at the end
 
     async def aread(self) -> bytes: ...
 
@@ -229,6 +231,10 @@ class _Body(httpx.AsyncByteStream):
 
     async def aread(self) -> bytes:
         return b"".join([part async for part in self])
+
+    async def read_chunk(self) -> bytes:
+        """The body bytes that arrived since the last call; b"" at the end."""
+        return await self._connection.read_chunk(self._read_timeout)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         read_chunk, timeout = self._connection.read_chunk, self._read_timeout
@@ -383,9 +389,15 @@ class _ClientResponse:
         self.response = response
         self.status_code = response.status_code
         self.headers = response.headers.raw
+        self._chunks: AsyncIterator[bytes] | None = None
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         return self.response.aiter_raw()
+
+    async def read_chunk(self) -> bytes:
+        if self._chunks is None:
+            self._chunks = self.response.aiter_raw()
+        return await anext(self._chunks, b"")
 
     async def aread(self) -> bytes:
         return await self.response.aread()

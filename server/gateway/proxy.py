@@ -134,10 +134,8 @@ class _Guard:
     def fire(self, reason: str) -> None:
         if not self._armed:
             return
-        self._armed = False
+        self.disarm()
         self.reason = reason
-        if self._handle is not None:
-            self._handle.cancel()
         self.task.cancel()
 
     def disarm(self) -> None:
@@ -145,11 +143,13 @@ class _Guard:
         self._armed = False
         if self._handle is not None:
             self._handle.cancel()
+            self._handle = None  # the handle refers back to us: no cycle for the collector
 
     def close(self) -> None:
         self.disarm()
         if self._watcher is not None:
             self._watcher.cancel()
+            self._watcher = None  # likewise (its cancelled coroutine's frame refers to us)
 
 
 async def _watch_disconnect(receive: Receive, guard: _Guard) -> None:

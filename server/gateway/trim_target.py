@@ -37,18 +37,19 @@ class EngineTrimTarget:
     def trimming(self) -> TrimmingConfig:
         return self.pool.trimming
 
-    async def tokenize(self, messages: list[dict], add_generation_prompt: bool) -> int:
-        """Tokens of `messages` rendered by the model's chat template, counted by one of its engines."""
+    async def tokenize(self, messages: list[dict], add_generation_prompt: bool,
+                       tools: list | None = None) -> int:
+        """Tokens of `messages` rendered by the model's chat template, counted by one of its engines.
+        With `tools`, the template renders the tool definitions too (as vLLM does for the request)."""
         engine = self.pool.acquire(self.routing)
         if engine is None:
             raise TokenizeFailed(f"no healthy engine for model {self.pool.name}")
+        body: dict = {"model": self.pool.name, "messages": messages,
+                      "add_generation_prompt": add_generation_prompt}
+        if tools:
+            body["tools"] = tools
         try:
-            response = await self.client.post(
-                f"{engine.url}/tokenize",
-                json={"model": self.pool.name, "messages": messages,
-                      "add_generation_prompt": add_generation_prompt},
-                timeout=self.timeout,
-            )
+            response = await self.client.post(f"{engine.url}/tokenize", json=body, timeout=self.timeout)
             response.raise_for_status()
             count = response.json().get("count")
         except (httpx.HTTPError, ValueError, AttributeError) as exc:

@@ -44,3 +44,25 @@ def test_configured_trimming_fits_the_history_into_the_engines_max_model_len(eng
     assert engine.stats()["tokenize_calls"] > 0
     metrics = httpx.get(f"{gw.url}/metrics").text
     assert 'gateway_trimmed_messages_total{model="standin"}' in metrics
+
+
+
+async def test_tool_definitions_are_sent_to_the_engines_tokenizer(engines):
+    """Templates render `tools` into the prompt: the gateway's token counts must include them, so
+    its tokenize call carries them (and the middleware knows it may pass them)."""
+    from server.gateway.trim_middleware import _accepts_tools
+    from server.gateway.trim_target import EngineTrimTarget
+    from server.gateway.upstreams import build_upstreams
+
+    (engine,) = engines(1, max_model_len=200)
+    settings = fast_settings({"standin": [engine.url]})
+    assert _accepts_tools(EngineTrimTarget)
+    upstreams = build_upstreams(settings.resolve_models({}))
+    tools = [{"type": "function", "function": {"name": "search_places", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "find museums"}]
+    async with httpx.AsyncClient() as client:
+        target = EngineTrimTarget(upstreams.models["standin"], client, settings.routing, httpx.Timeout(5.0))
+        await target.tokenize(messages, True, tools=tools)
+        assert engine.stats()["last_tokenize"]["body"]["tools"] == tools
+        await target.tokenize(messages, True)
+        assert "tools" not in engine.stats()["last_tokenize"]["body"]

@@ -55,7 +55,7 @@ bench: install ## Gateway vs direct vs vllm-router on a stand-in engine; writes 
 	$(BIN)/python -m tests.bench.proxy_bench --output docs/bench
 
 loadtest: install ## Run the itinerary scenario against `make run`'s gateway
-	$(BIN)/python -m loadtest --url http://127.0.0.1:8000 --model tiny --scenario itinerary --output loadtest/out
+	$(BIN)/python -m loadtest --url http://127.0.0.1:8000 --model tiny --scenario itinerary --record-header x-trim-status --output loadtest/out
 
 compose: install ## Regenerate docker/compose.yaml + prometheus.yml from configs/gateway.gpu.yaml
 	$(BIN)/python -m server compose --config configs/gateway.gpu.yaml --output docker/compose.yaml

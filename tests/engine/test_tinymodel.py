@@ -25,18 +25,25 @@ def test_tiny_model_is_deterministic_and_complete(tmp_path):
     assert (config["num_attention_heads"], config["num_key_value_heads"]) == (4, 2)  # GQA
 
 
-def test_chat_template_keeps_roles_and_tool_calls(tmp_path):
-    from transformers import AutoTokenizer
+RENDER = """
+import sys
+from transformers import AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+sys.stdout.write(tokenizer.apply_chat_template(
+    [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
+     {"role": "assistant", "content": None,
+      "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+     {"role": "tool", "tool_call_id": "1", "content": "r"}],
+    tokenize=False, add_generation_prompt=True))
+"""
 
+
+def test_chat_template_keeps_roles_and_tool_calls(tmp_path):
+    # In a child process: transformers brings torch, which has no business in the test process.
     subprocess.run([sys.executable, "-m", "server", "tiny-model", str(tmp_path / "m")], check=True, cwd=ROOT,
                    capture_output=True)
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "m")
-    text = tokenizer.apply_chat_template(
-        [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
-         {"role": "assistant", "content": None,
-          "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
-         {"role": "tool", "tool_call_id": "1", "content": "r"}],
-        tokenize=False, add_generation_prompt=True)
+    text = subprocess.run([sys.executable, "-c", RENDER, str(tmp_path / "m")], check=True, cwd=ROOT,
+                          capture_output=True, text=True).stdout
     assert text == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
                     "<|im_start|>assistant\n\n<tool_call>f {\"a\": 1}</tool_call><|im_end|>\n"
                     "<|im_start|>tool\nr<|im_end|>\n<|im_start|>assistant\n")

@@ -307,13 +307,7 @@ async def run_load(
         "chunks_per_s": chunks / elapsed,
         "errors": sum(counters.errors.values()),
         "error_kinds": counters.errors,
-        "ttft_ms": {
-            "p50": statistics.median(ttfts) if ttfts else None,
-            "p90": _percentile(ttfts, 0.9),
-            "p99": _percentile(ttfts, 0.99),
-            "mean": statistics.fmean(ttfts) if ttfts else None,
-            "n": len(ttfts),
-        },
+        "ttft_ms": _ttft_summary(ttfts),
         "cpu_s": cpu,
         "cores_busy_s": cores,
         "foreign_cpu_s": foreign,
@@ -348,15 +342,19 @@ def summarize(results: list[dict]) -> dict:
         "chunks_per_s": chunks / window,
         "errors": sum(errors.values()),
         "error_kinds": errors,
-        "ttft_ms": {
-            "p50": statistics.median(ttfts) if ttfts else None,
-            "p90": _percentile(ttfts, 0.9),
-            "p99": _percentile(ttfts, 0.99),
-            "mean": statistics.fmean(ttfts) if ttfts else None,
-            "n": len(ttfts),
-        },
+        "ttft_ms": _ttft_summary(ttfts),
         "cpu_s": cpu,
         "foreign_cpu_s": foreign,
+    }
+
+
+def _ttft_summary(ttfts: list[float]) -> dict:
+    return {
+        "p50": statistics.median(ttfts) if ttfts else None,
+        "p90": _percentile(ttfts, 0.9),
+        "p99": _percentile(ttfts, 0.99),
+        "mean": statistics.fmean(ttfts) if ttfts else None,
+        "n": len(ttfts),
     }
 
 

@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from server.profiles import ProfileError
+
 EPILOG = """\
 examples:
   python -m server engine-args configs/profiles/tiny-cpu.yaml
@@ -103,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     func = getattr(importlib.import_module(module_name), func_name)
     try:
         return int(func(args) or 0)
+    except ProfileError as exc:  # every command that reads a profile reports a bad one the same way
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

@@ -5,16 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from server.profiles import ProfileError, load_profile, resolve_profile_path
+from server.profiles import load_profile, resolve_profile_path
 from server.render import engine_argv, engine_config, render_shell, render_yaml
 
 
 def engine_args(args: argparse.Namespace) -> int:
-    try:
-        profile = load_profile(resolve_profile_path(args.profile))
-    except ProfileError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    profile = load_profile(resolve_profile_path(args.profile))
     if args.format == "yaml":
         sys.stdout.write(render_yaml(engine_config(profile, host=args.host, port=args.port)))
         return 0

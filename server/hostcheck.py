@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from server.planner import PlanError, load_model_config, plan_profile, text_config
-from server.profiles import FP8_KV_CACHE_DTYPES, Profile, ProfileError, load_profile, resolve_profile_path
+from server.profiles import FP8_KV_CACHE_DTYPES, Profile, load_profile, resolve_profile_path
 
 
 @dataclass(frozen=True)
@@ -135,11 +135,7 @@ def refuse_message(profile: Profile, problems: list[str]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        profile = load_profile(resolve_profile_path(args.profile))
-    except ProfileError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    profile = load_profile(resolve_profile_path(args.profile))
     problems = check_profile(profile)
     if problems:
         print(refuse_message(profile, problems), file=sys.stderr)

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from server.profiles import FP8_KV_CACHE_DTYPES, Profile, ProfileError, load_profile, resolve_profile_path
+from server.profiles import FP8_KV_CACHE_DTYPES, Profile, load_profile, resolve_profile_path
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp16": 2, "bf16": 2}
@@ -306,11 +306,11 @@ def format_plan(plan: Plan) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    profile = load_profile(resolve_profile_path(args.profile))
     try:
-        profile = load_profile(resolve_profile_path(args.profile))
         device_memory = parse_size(args.device_memory) if args.device_memory else None
         plan = plan_profile(profile, device_memory)
-    except (ProfileError, PlanError) as exc:
+    except PlanError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from server.hostcheck import check_profile, refuse_message
-from server.profiles import Profile, ProfileError, load_profile, resolve_profile_path
+from server.profiles import Profile, load_profile, resolve_profile_path
 from server.render import engine_argv, render_shell
 
 log = logging.getLogger("server.supervisor")
@@ -271,12 +271,9 @@ async def run_engine(profile: Profile, host: str, port: int, max_restarts: int, 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
                         stream=sys.stderr)
+    profile = load_profile(resolve_profile_path(args.profile))
     try:
-        profile = load_profile(resolve_profile_path(args.profile))
         prepare(profile)
-    except ProfileError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     except EngineStartError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -203,11 +203,16 @@ class Plan:
         return asdict(self)
 
 
+def blocks_per_sequence(layout: KvLayout, block_size: int, tokens: int) -> int:
+    """Paged blocks one sequence of `tokens` needs."""
+    return math.ceil(sequence_bytes(layout, tokens) / (layout.bytes_per_token * block_size))
+
+
 def capacity(layout: KvLayout, kv_memory: int, block_size: int, max_model_len: int) -> tuple[int, int, int]:
     """(blocks, tokens, sequences at max_model_len) that `kv_memory` bytes hold."""
     bytes_per_block = layout.bytes_per_token * block_size
     blocks = kv_memory // bytes_per_block if kv_memory > 0 else 0
-    per_seq = math.ceil(sequence_bytes(layout, max_model_len) / bytes_per_block)
+    per_seq = blocks_per_sequence(layout, block_size, max_model_len)
     return blocks, blocks * block_size, blocks // per_seq if per_seq else 0
 
 
@@ -271,7 +276,7 @@ def plan_profile(profile: Profile, device_memory: int | None = None,
         block_size=profile.block_size, bytes_per_block=layout.bytes_per_token * profile.block_size,
         kv_memory_bytes=kv_memory, kv_memory_source=source, num_blocks=blocks,
         kv_cache_tokens=tokens, max_model_len=max_len,
-        blocks_per_sequence=math.ceil(sequence_bytes(layout, max_len) / (layout.bytes_per_token * profile.block_size)),
+        blocks_per_sequence=blocks_per_sequence(layout, profile.block_size, max_len),
         max_concurrent_sequences=sequences, sliding_window=layout.sliding_window,
         sliding_window_layers=layout.sliding_window_layers, weights_bytes=weights,
         layers=layout.layers, kv_heads=layout.kv_heads, head_dim=layout.head_dim,

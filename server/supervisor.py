@@ -170,7 +170,7 @@ class EngineSupervisor:
         process = self._process
         if process is not None and process.returncode is None:
             log.info("[engine %s] stopping (pid %d)", self.name, process.pid)
-            terminate_tree(process.pid, timeout_hint=timeout)
+            terminate_tree(process.pid)
             try:
                 await asyncio.wait_for(wait_exit(process), timeout)
             except TimeoutError:
@@ -200,7 +200,7 @@ async def wait_exit(process: asyncio.subprocess.Process) -> int:
     return process.returncode
 
 
-def terminate_tree(pid: int, timeout_hint: float = 20.0) -> None:
+def terminate_tree(pid: int) -> None:
     """SIGTERM the process group led by `pid` (vLLM shuts its engine core down on SIGTERM)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGTERM)

@@ -20,6 +20,16 @@ Runtime control (JSON):
 - A request body may carry `"standin": {...}` with the per-request keys above (`ttft_ms`,
   `itl_ms`, `tokens`, `die_after_chunks`, `first_byte_delay_s`, `stall_after_chunks`, `stall_s`,
   `status`); they win over the faults for that request only.
+- `GET /_standin/timings`: engine-side timings of recent generation requests, by request id
+  (`x-request-id`, else a generated one), on the stand-in's `time.perf_counter()` clock:
+  `arrived` (the handler started), `first_token` and `last_token` (just after the first / last
+  token event was handed to the server; streams only), `ended`, `tokens` (token events sent),
+  and `ttft_s` = `first_token - arrived`. The last `TIMINGS_KEPT` requests are kept;
+  `DELETE /_standin/timings` forgets them. Load testers join these with their own timings to
+  measure the time they add themselves.
+- `StandinConfig(prompt_tokens_details=True)` (`--prompt-tokens-details`) adds
+  `usage.prompt_tokens_details.cached_tokens` (the prompt tokens found in the stand-in's prefix
+  cache), as vLLM does with `--enable-prompt-tokens-details`; off by default, like vLLM.
 - `GET /_standin/stats`: `running`, `started`, `finished`, `aborted` (the client left before the
   response finished; seen at once through `http.disconnect`), `rejected` (answered with an error), `died` (dropped by `die_after_chunks`), `peak_running`,
   `tokenize_calls`, `requests` (per path), `last_request` (`path`, `headers`, `body` of the last
@@ -57,6 +67,7 @@ GENERATION_PROMPT_TOKENS = 3
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM's default for /v1/completions
 PREFIX_BLOCK_WORDS = 16  # "block size" of the stand-in's prefix cache, in tokens (= words)
 PREFIX_CACHE_BLOCKS = 50_000
+TIMINGS_KEPT = 100_000  # engine-side timings of this many recent requests are kept
 
 FAULT_KEYS = {
     "health_status": int,
@@ -93,6 +104,7 @@ class StandinConfig:
     max_model_len: int = 4096
     strict_context: bool = True  # 400 when prompt + max_tokens > max_model_len
     kv_cache_tokens: int = 65536  # capacity behind vllm:kv_cache_usage_perc
+    prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens, as vLLM's flag
 
 
 def _words(text: Any) -> int:
@@ -167,6 +179,7 @@ class _Generation:
     stall_after_chunks: int | None
     stall_s: float
     headers: list[tuple[bytes, bytes]]
+    cached_tokens: int | None = None  # prompt tokens found in the prefix cache (when reported)
 
 
 class _ApiError(Exception):
@@ -186,6 +199,7 @@ class Standin:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self._kv_in_use = 0
+        self.timings: collections.OrderedDict[str, dict] = collections.OrderedDict()
         self._created = int(time.time())
         self._routes: dict[tuple[str, str], Callable] = {
             ("GET", "/health"): self._health,
@@ -199,6 +213,8 @@ class Standin:
             ("DELETE", "/_standin/stats"): self._delete_stats,
             ("GET", "/_standin/faults"): self._get_faults,
             ("POST", "/_standin/faults"): self._set_faults,
+            ("GET", "/_standin/timings"): self._get_timings,
+            ("DELETE", "/_standin/timings"): self._delete_timings,
         }
 
     def _reset_stats(self) -> None:
@@ -317,6 +333,23 @@ class Standin:
     async def _delete_stats(self, scope, receive, send) -> None:
         self._reset_stats()
         await _send_json(send, 200, self.stats())
+
+    async def _get_timings(self, scope, receive, send) -> None:
+        await _send_json(send, 200, {"clock": "perf_counter", "requests": self.timings})
+
+    async def _delete_timings(self, scope, receive, send) -> None:
+        self.timings.clear()
+        await _send_json(send, 200, {"clock": "perf_counter", "requests": {}})
+
+    def _timing(self, request_id: str, arrived: float) -> dict:
+        """A fresh engine-side timing entry for one request (the oldest ones are dropped)."""
+        timing = {"arrived": arrived, "first_token": None, "last_token": None, "ended": None,
+                  "tokens": 0, "ttft_s": None}
+        self.timings[request_id] = timing
+        self.timings.move_to_end(request_id)
+        while len(self.timings) > TIMINGS_KEPT:
+            self.timings.popitem(last=False)
+        return timing
 
     async def _get_faults(self, scope, receive, send) -> None:
         await _send_json(send, 200, self.faults)
@@ -471,13 +504,16 @@ class Standin:
         self.peak_running = max(self.peak_running, self.running)
         kv = plan.prompt_tokens + plan.n_tokens
         self._kv_in_use += kv
-        self._count_prefix(body)
+        cached = self._count_prefix(body)
+        if self.config.prompt_tokens_details:
+            plan.cached_tokens = min(cached, plan.prompt_tokens)
+        timing = self._timing(plan.request_id, arrived)
         main = asyncio.current_task()
         state = {"done": False, "gone": False}
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, main, state))
         try:
             if plan.stream:
-                await self._stream(send, plan, arrived, body.get("model") or self.config.model)
+                await self._stream(send, plan, arrived, body.get("model") or self.config.model, timing)
             else:
                 await self._respond(send, plan, arrived, body.get("model") or self.config.model, state)
         except asyncio.CancelledError:
@@ -498,10 +534,15 @@ class Standin:
             watcher.cancel()
             self.running -= 1
             self._kv_in_use -= kv
+            timing["ended"] = time.perf_counter()
 
-    def _count_prefix(self, body: dict) -> None:
-        """A small prefix cache over blocks of words, so vllm:prefix_cache_* move like vLLM's."""
+    def _count_prefix(self, body: dict) -> int:
+        """A small prefix cache over blocks of words, so vllm:prefix_cache_* move like vLLM's.
+
+        Returns this request's hits (tokens found in the cache).
+        """
         words = _prompt_words(body)
+        hits_before = self.prefix_hits
         self.prefix_queries += len(words)
         blocks = self._prefix_blocks
         prefix_hash = 0
@@ -516,8 +557,11 @@ class Standin:
                 blocks[prefix_hash] = None
         while len(blocks) > PREFIX_CACHE_BLOCKS:
             blocks.popitem(last=False)
+        return self.prefix_hits - hits_before
 
-    async def _stream(self, send: Send, plan: _Generation, arrived: float, model: str) -> None:
+    async def _stream(self, send: Send, plan: _Generation, arrived: float, model: str,
+                      timing: dict | None = None) -> None:
+        timing = timing if timing is not None else {}
         loop = asyncio.get_running_loop()
         start = loop.time() - (time.perf_counter() - arrived)  # the arrival, on the loop's clock
         if plan.first_byte_delay_s:
@@ -541,6 +585,13 @@ class Standin:
                 token_index += 1
             await send({"type": "http.response.body", "body": data, "more_body": True})
             sent += 1
+            if kind == "token":
+                now = time.perf_counter()
+                if token_index == 1:
+                    timing["first_token"] = now
+                    timing["ttft_s"] = now - arrived
+                timing["last_token"] = now
+                timing["tokens"] = token_index
         await send({"type": "http.response.body", "body": DONE, "more_body": False})
 
     async def _respond(self, send: Send, plan: _Generation, arrived: float, model: str, state: dict) -> None:
@@ -557,7 +608,8 @@ class Standin:
         text = "".join(VOCABULARY[i % len(VOCABULARY)] for i in range(plan.n_tokens))
         usage = {
             "prompt_tokens": plan.prompt_tokens, "total_tokens": plan.prompt_tokens + plan.n_tokens,
-            "completion_tokens": plan.n_tokens, "prompt_tokens_details": None,
+            "completion_tokens": plan.n_tokens,
+            "prompt_tokens_details": None if plan.cached_tokens is None else {"cached_tokens": plan.cached_tokens},
         }  # fmt: skip
         created = int(time.time())
         if plan.chat:
@@ -632,6 +684,8 @@ def _stream_events(plan: _Generation, model: str) -> list[tuple[str, bytes]]:
             "prompt_tokens": plan.prompt_tokens, "total_tokens": plan.prompt_tokens + plan.n_tokens,
             "completion_tokens": plan.n_tokens,
         }  # fmt: skip
+        if plan.cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": plan.cached_tokens}
         chunk = {
             "id": id_, "object": object_, "created": created, "model": model, "choices": [],
             "usage": usage, "system_fingerprint": SYSTEM_FINGERPRINT,
@@ -747,10 +801,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--itl-ms", type=float, default=10.0)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--prompt-tokens-details", action="store_true",
+                        help="report usage.prompt_tokens_details.cached_tokens (vLLM's flag)")
     args = parser.parse_args(argv)
     config = StandinConfig(
         model=args.model, ttft_ms=args.ttft_ms, itl_ms=args.itl_ms, tokens=args.tokens,
-        max_model_len=args.max_model_len,
+        max_model_len=args.max_model_len, prompt_tokens_details=args.prompt_tokens_details,
     )  # fmt: skip
     run(config, args.host, args.port)
 

@@ -1,0 +1,176 @@
+"""Measures the load tester itself against a stand-in engine: `python -m loadtest.selfcheck`.
+
+For each closed-loop concurrency it runs short single-turn streams against a server with
+`/_standin/timings` (`python -m tests.standin`), joins every request with the engine's own
+timings (`loadtest.overhead`) and reports the load tester's added TTFT (p50, p99); for each
+open-loop rate (constant arrivals) it reports the achieved send rate against the target.
+Results go to `DIR/overhead.json` (one entry per `--label`, so before/after runs accumulate)
+and `DIR/overhead.md` (the table over every label).
+
+Pin the two processes to different cores so that they do not measure each other:
+
+    taskset -c 1 python -m tests.standin --port 8200 --ttft-ms 50 --itl-ms 25 --tokens 16 &
+    taskset -c 0 python -m loadtest.selfcheck --url http://127.0.0.1:8200 --label after \\
+        --output loadtest/results/client-overhead
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import os
+import platform
+from pathlib import Path
+
+import httpx
+
+from loadtest import scenarios
+from loadtest.client import ChatClient, make_http_client
+from loadtest.metrics import describe, percentile
+from loadtest.overhead import fetch_engine_timings, overhead_summary
+from loadtest.runner import LoadShape, Runner, StopRule
+
+
+async def _one_run(args, shape: LoadShape, stop: StopRule, control: httpx.AsyncClient) -> dict:
+    base = args.url.rstrip("/")
+    (await control.delete(f"{base}/_standin/timings")).raise_for_status()
+    pool = shape.concurrency or 4096
+    async with make_http_client(max_connections=pool, timeout_s=args.timeout) as http:
+        client = ChatClient(base, http=http, model=args.model, timeout_s=args.timeout)
+        sessions = scenarios.random_prompts(args.seed, input_chars=args.input_chars,
+                                            max_tokens=args.max_tokens)
+        result = await Runner(client, sessions, shape, stop, run=shape.label).run()
+    engine = await fetch_engine_timings(f"{base}/_standin/timings", control)
+    measured = result.measured
+    ok = [r for r in measured if r.ok]
+    row = {"load": shape.to_json(), "requests": len(measured), "failed": len(measured) - len(ok),
+           **overhead_summary(measured, engine)}
+    ttft = describe([r.ttft_s for r in ok if r.ttft_s is not None])
+    row["median_ttft_ms"] = ttft.get("median", math.nan) * 1000
+    row["median_engine_ttft_ms"] = percentile(
+        [t["ttft_s"] for r in ok if (t := engine.get(r.request_id)) and t.get("ttft_s")], 50) * 1000
+    sent = sorted(r.sent_s for r in measured)
+    span = sent[-1] - sent[0] if len(sent) > 1 else math.nan
+    row["send_rate"] = (len(sent) - 1) / span if span and span > 0 else math.nan
+    row["p99_lateness_ms"] = percentile([r.lateness_s for r in measured], 99) * 1000
+    row["loop_lag"] = getattr(result, "loop_lag", None)
+    return row
+
+
+async def run(args) -> list[dict]:
+    rows = []
+    async with httpx.AsyncClient(trust_env=False) as control:
+        for concurrency in args.concurrency:
+            count = max(args.min_requests, args.requests_per_stream * concurrency)
+            stop = StopRule(num_requests=count, warmup_requests=concurrency)
+            rows.append(await _one_run(args, LoadShape(concurrency=concurrency), stop, control))
+            _print(rows[-1])
+        for rate in args.rate:
+            count = max(args.min_requests, int(rate * args.rate_seconds))
+            stop = StopRule(num_requests=count, warmup_requests=int(rate * 0.5))
+            shape = LoadShape(rate=rate, arrival="constant")
+            rows.append(await _one_run(args, shape, stop, control))
+            _print(rows[-1])
+    return rows
+
+
+def _print(row: dict) -> None:
+    load = row["load"]
+    print(f"{load['label']:>28}: {row['requests']} req, failed {row['failed']}, added TTFT "
+          f"p50 {row['median_added_ttft_ms']:.2f} ms p99 {row['p99_added_ttft_ms']:.2f} ms, "
+          f"send rate {row['send_rate']:.1f}/s", flush=True)
+
+
+def _fmt(value, digits=2) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def markdown(document: dict) -> str:
+    """The tables over every label in `document` (closed-loop added time; open-loop rates)."""
+    lines = ["# The load tester's own added time, measured against the stand-in engine", "",
+             "Written by `python -m loadtest.selfcheck`. added TTFT = the load tester's TTFT - "
+             "the engine-side TTFT of the same request (joined by `x-request-id`). It includes "
+             "the loopback both ways and the stand-in's HTTP parsing, so it bounds the load "
+             "tester's own share from above.", ""]
+    for label, entry in document["labels"].items():
+        lines += [f"## {label}", "", f"- {entry['when']}, {entry['machine']}",
+                  f"- command: `{entry['command']}`", f"- `uptime` before: {entry['uptime']}",
+                  f"- client: {entry['client']}", ""]
+        lines += ["| streams | requests | failed | TTFT p50 (ms) | engine TTFT p50 (ms) | "
+                  "**added TTFT p50 (ms)** | **added TTFT p99 (ms)** | added E2E p50 (ms) | "
+                  "loop lag p99 (ms) |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for row in entry["rows"]:
+            if row["load"]["rate"] is not None:
+                continue
+            lag = (row.get("loop_lag") or {}).get("p99_loop_lag_ms")
+            lines.append(
+                f"| {row['load']['concurrency']} | {row['requests']} | {row['failed']} | "
+                f"{_fmt(row['median_ttft_ms'])} | {_fmt(row['median_engine_ttft_ms'])} | "
+                f"**{_fmt(row['median_added_ttft_ms'])}** | **{_fmt(row['p99_added_ttft_ms'])}** "
+                f"| {_fmt(row['median_added_e2el_ms'])} | {_fmt(lag)} |")
+        rates = [row for row in entry["rows"] if row["load"]["rate"] is not None]
+        if rates:
+            lines += ["", "| target rate (req/s, constant) | requests | achieved send rate | "
+                      "achieved / target | lateness p99 (ms) | added TTFT p50 (ms) | p99 (ms) |",
+                      "|---:|---:|---:|---:|---:|---:|---:|"]
+            for row in rates:
+                target = row["load"]["rate"]
+                lines.append(
+                    f"| {target:g} | {row['requests']} | {_fmt(row['send_rate'], 1)} | "
+                    f"{_fmt(row['send_rate'] / target, 3)} | {_fmt(row['p99_lateness_ms'])} | "
+                    f"{_fmt(row['median_added_ttft_ms'])} | {_fmt(row['p99_added_ttft_ms'])} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.selfcheck",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--url", required=True, help="a stand-in engine (tests.standin)")
+    parser.add_argument("--model", default="standin")
+    parser.add_argument("--label", required=True, help="this measurement's name (before, after)")
+    parser.add_argument("--output", default="loadtest/results/client-overhead")
+    parser.add_argument("--concurrency", type=_ints, default=[1, 8, 32, 128, 256])
+    parser.add_argument("--rate", type=_floats, default=[])
+    parser.add_argument("--rate-seconds", type=float, default=5.0,
+                        help="measured requests per rate = rate x this")
+    parser.add_argument("--requests-per-stream", type=int, default=4)
+    parser.add_argument("--min-requests", type=int, default=200)
+    parser.add_argument("--input-chars", type=int, default=200)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    args = parser.parse_args(argv)
+    uptime = os.popen("uptime").read().strip()
+    rows = asyncio.run(run(args))
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    path = output / "overhead.json"
+    document = json.loads(path.read_text()) if path.exists() else {"labels": {}}
+    document["labels"][args.label] = {
+        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
+                   f"{platform.python_version()}",
+        "command": "python -m loadtest.selfcheck " + " ".join(argv or os.sys.argv[1:]),
+        "uptime": uptime, "client": "httpx AsyncClient (httpcore pool)", "rows": rows}
+    path.write_text(json.dumps(document, indent=2, default=str) + "\n")
+    (output / "overhead.md").write_text(markdown(document))
+    print(f"wrote {output}/overhead.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

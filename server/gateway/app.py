@@ -1,7 +1,7 @@
 """The gateway application, assembled in plain steps: `create_app(settings)`.
 
     POST /v1/chat/completions, /v1/completions (raw ASGI, past FastAPI: GatewayApp)
-        RequestContext (request id, last-resort 500) ─► Auth ─► Trimming ─► server.gateway.proxy
+        RequestContext (request id, last-resort 500) ─► Auth ─► Trimming ─► server.gateway.proxy.exchange
     everything else: FastAPI ─► RequestContext ─► Auth ─► routes
         GET /v1/models[/{id}]            the union of the engines' cards
         GET /health, /ready, /metrics    alive; routable; Prometheus
@@ -24,20 +24,20 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.gateway.auth import AuthMiddleware, load_api_keys
-from server.gateway.context import RequestContextMiddleware
-from server.gateway.engine_metrics import EngineMetricsScraper, ScrapeTarget
+from server.gateway.edge.auth import AuthMiddleware, load_api_keys
+from server.gateway.edge.context import RequestContextMiddleware
+from server.gateway.engines.scraper import EngineMetricsScraper, ScrapeTarget
 from server.gateway.errors import GatewayError, InternalError, InvalidRequest, error_body, from_http_status
-from server.gateway.health import HealthChecker
-from server.gateway.logs import log_request as default_log_request
-from server.gateway.metrics import GatewayMetrics
-from server.gateway.proxy import PATHS, Proxy
+from server.gateway.engines.health import HealthChecker
+from server.gateway.observability.logs import log_request as default_log_request
+from server.gateway.observability.metrics import GatewayMetrics
+from server.gateway.proxy.exchange import PATHS, Proxy
 from server.gateway.settings import GatewaySettings
-from server.gateway.trim_middleware import TrimmingMiddleware
-from server.gateway.trim_target import make_lookup
-from server.gateway.upstream_client import ClientUpstream, UpstreamTransport
-from server.gateway.upstreams import Upstreams, build_upstreams
-from server.profiles import Profile
+from server.gateway.trimming.middleware import TrimmingMiddleware
+from server.gateway.trimming.target import make_lookup
+from server.gateway.proxy.transport import ClientUpstream, UpstreamTransport
+from server.gateway.engines.pool import Upstreams, build_upstreams
+from server.engine.profiles import Profile
 
 
 @dataclass
@@ -133,7 +133,7 @@ def create_app(settings: GatewaySettings, *, http_client: httpx.AsyncClient | No
     engines = list(upstreams.engines())
     owns_client = http_client is None
     if http_client is None:
-        # `limits.max_connections` to each engine, an O(1) pool (server.gateway.upstream_client).
+        # `limits.max_connections` to each engine, an O(1) pool (server.gateway.proxy.transport).
         transport: httpx.AsyncBaseTransport = UpstreamTransport(
             max_connections=settings.limits.max_connections, keepalive_expiry=30.0)
         client = new_http_client(settings, transport)

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from server.gateway.settings import GatewaySettings, SettingsError, load_settings, parse_upstreams
-from server.profiles import Profile
+from server.engine.profiles import Profile
 
 log = logging.getLogger("gateway")
 
@@ -103,7 +103,7 @@ def _settings(args: argparse.Namespace) -> GatewaySettings:
 
 
 def _configure_logging(settings: GatewaySettings) -> None:
-    from server.gateway.logs import configure_logging
+    from server.gateway.observability.logs import configure_logging
 
     configure_logging(settings.log_format)
     # httpx logs every request at INFO: noise, and real CPU on the hot path.
@@ -134,7 +134,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
 async def _start_engines(settings: GatewaySettings, profiles: dict[str, Profile]) -> list:
     """One supervisor per replica of every profile model, started and ready; [] if interrupted."""
-    from server.supervisor import EngineSupervisor
+    from server.engine.supervisor import EngineSupervisor
 
     supervisors = []
     for model in settings.resolve_models(profiles):
@@ -192,7 +192,7 @@ async def _stop_engines(supervisors: list) -> None:
 
 
 async def _up(settings: GatewaySettings, profiles: dict[str, Profile]) -> int:
-    from server.supervisor import EngineStartError
+    from server.engine.supervisor import EngineStartError
 
     try:
         supervisors = await _start_engines(settings, profiles)
@@ -210,7 +210,7 @@ async def _up(settings: GatewaySettings, profiles: dict[str, Profile]) -> int:
 
 def up_command(args: argparse.Namespace) -> int:
     """Launch the engines of a gateway config, then serve the gateway in front of them."""
-    from server.supervisor import EngineStartError, prepare
+    from server.engine.supervisor import EngineStartError, prepare
 
     try:
         settings = _settings(args)

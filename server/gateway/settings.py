@@ -14,7 +14,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from server.profiles import Profile, ProfileError, TrimmingConfig, load_profile
+from server.engine.profiles import Profile, ProfileError, TrimmingConfig, load_profile
 
 
 class SettingsError(ValueError):

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server import compose
+from server.deploy import compose
 from server.cli import main as cli_main
 from server.gateway.settings import load_settings
-from server.profiles import load_profile
-from server.render import engine_argv
+from server.engine.profiles import load_profile
+from server.engine.render import engine_argv
 
 from .conftest import DOCKER, ROOT, VARIANTS
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.planner import plan_profile
+from server.engine.planner import plan_profile
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.engine

@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from server.hostcheck import HostInfo, check_profile, model_max_len
-from server.profiles import load_profile, profiles_dir
+from server.engine.hostcheck import HostInfo, check_profile, model_max_len
+from server.engine.profiles import load_profile, profiles_dir
 
 AVX2 = HostInfo("x86_64", frozenset({"sse4_2", "avx", "avx2", "fma"}), 0)
 AVX512 = HostInfo("x86_64", frozenset({"avx2", "avx512f", "avx512_bf16"}), 0)

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from server.planner import (
+from server.engine.planner import (
     PlanError, capacity, estimate_weight_bytes, kv_layout, parse_size, plan_profile, sequence_bytes,
 )
-from server.profiles import load_profile, profiles_dir
+from server.engine.profiles import load_profile, profiles_dir
 from server.cli import main as cli_main
 
 LLAMA2_7B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from server.profiles import ProfileError, load_profile, profiles_dir, resolve_profile_path
+from server.engine.profiles import ProfileError, load_profile, profiles_dir, resolve_profile_path
 
 SHIPPED = sorted(profiles_dir().glob("*.yaml"))
 

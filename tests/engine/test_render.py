@@ -4,8 +4,8 @@ import sys
 
 import yaml
 
-from server.profiles import load_profile, profiles_dir
-from server.render import engine_argv, engine_config, engine_flags, render_shell, render_yaml
+from server.engine.profiles import load_profile, profiles_dir
+from server.engine.render import engine_argv, engine_config, engine_flags, render_shell, render_yaml
 from server.cli import main as cli_main
 
 

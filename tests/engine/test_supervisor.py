@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.profiles import load_profile, profiles_dir
-from server.supervisor import EngineStartError, EngineSupervisor
+from server.engine.profiles import load_profile, profiles_dir
+from server.engine.supervisor import EngineStartError, EngineSupervisor
 from tests.support import free_port
 
 

@@ -10,7 +10,7 @@ import sys
 
 import httpx
 
-from server.gateway.upstream_client import UpstreamTransport
+from server.gateway.proxy.transport import UpstreamTransport
 
 BODIES = [
     {"model": "standin", "messages": [{"role": "user", "content": "hi"}], "stream": True,

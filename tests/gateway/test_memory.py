@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from server.gateway.proxy import Exchange
+from server.gateway.proxy.exchange import Exchange
 from tests.gateway.conftest import fast_settings
 
 REQUESTS = 10_000

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from server.gateway.routing import affinity_key, choose, prompt_prefix, rendezvous_order
+from server.gateway.engines.routing import affinity_key, choose, prompt_prefix, rendezvous_order
 
 
 @dataclass(eq=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from server.profiles import TrimmingConfig
+from server.engine.profiles import TrimmingConfig
 from tests.gateway.conftest import fast_settings
 
 
@@ -50,9 +50,9 @@ def test_configured_trimming_fits_the_history_into_the_engines_max_model_len(eng
 async def test_tool_definitions_are_sent_to_the_engines_tokenizer(engines):
     """Templates render `tools` into the prompt: the gateway's token counts must include them, so
     its tokenize call carries them (and the middleware knows it may pass them)."""
-    from server.gateway.trim_middleware import _accepts_tools
-    from server.gateway.trim_target import EngineTrimTarget
-    from server.gateway.upstreams import build_upstreams
+    from server.gateway.trimming.middleware import _accepts_tools
+    from server.gateway.trimming.target import EngineTrimTarget
+    from server.gateway.engines.pool import build_upstreams
 
     (engine,) = engines(1, max_model_len=200)
     settings = fast_settings({"standin": [engine.url]})

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from server.gateway.auth import bearer_token, key_matches, load_api_keys
-from server.gateway.context import request_id_from
+from server.gateway.edge.auth import bearer_token, key_matches, load_api_keys
+from server.gateway.edge.context import request_id_from
 from server.gateway.errors import InvalidRequest
 from server.gateway.settings import Auth, GatewaySettings, ModelEngines, SettingsError, parse_upstreams
-from server.gateway.upstreams import Engine
-from server.gateway.validation import parse_request
+from server.gateway.engines.pool import Engine
+from server.gateway.edge.requests import parse_request
 
 
 def test_parse_request_keeps_the_body_and_reads_model_and_stream():

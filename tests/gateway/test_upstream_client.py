@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from server.gateway.upstream_client import UpstreamTransport
+from server.gateway.proxy.transport import UpstreamTransport
 from tests.support import free_port, serve_in_thread
 
 

@@ -14,8 +14,8 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.gateway.engine_metrics import EngineMetricsScraper, ScrapeTarget, parse_engine_metrics
-from server.gateway.metrics import GatewayMetrics
+from server.gateway.engines.scraper import EngineMetricsScraper, ScrapeTarget, parse_engine_metrics
+from server.gateway.observability.metrics import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((ROOT / "docker" / "grafana" / "dashboards").glob("*.json"))

@@ -14,13 +14,13 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from server.gateway.engine_metrics import (
+from server.gateway.engines.scraper import (
     EngineMetricsScraper,
     EngineSnapshot,
     ScrapeTarget,
     parse_engine_metrics,
 )
-from server.gateway.metrics import GatewayMetrics
+from server.gateway.observability.metrics import GatewayMetrics
 from tests.support import free_port, serve_in_thread
 
 # Captured from the real engine (vLLM 0.32.0, tiny model) after a few requests, two of them with

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.gateway.app import create_app
-from server.gateway.logs import ACCESS_LOGGER
+from server.gateway.observability.logs import ACCESS_LOGGER
 from server.gateway.settings import GatewaySettings, HealthCheck, ModelEngines
 from tests.standin import StandinConfig, build_app
 from tests.support import serve_in_thread

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.gateway.metrics import (
+from server.gateway.observability.metrics import (
     DURATION_BUCKETS,
     ITL_BUCKETS,
     OTHER_MODEL,

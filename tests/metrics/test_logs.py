@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from server.gateway.logs import ACCESS_FIELDS, ACCESS_LOGGER, configure_logging, log_request
+from server.gateway.observability.logs import ACCESS_FIELDS, ACCESS_LOGGER, configure_logging, log_request
 
 
 def access_lines(caplog) -> list[dict]:

@@ -17,7 +17,7 @@ import pytest
 
 from server.gateway.app import create_app
 from server.gateway.settings import GatewaySettings, ModelEngines
-from server.profiles import TrimmingConfig
+from server.engine.profiles import TrimmingConfig
 from tests.support import serve_in_thread
 
 pytestmark = pytest.mark.engine
@@ -143,7 +143,7 @@ async def test_counts_from_the_real_template_add_up_and_bounds_hold(real_engine)
     """Per-message counts of the real tokenizer and template sum to the whole prompt's count
     (developer messages, which vLLM folds into the system message, only ever over-count), and
     the upper bound used before a message is counted is never below its real count."""
-    from server.gateway.tokens import TokenCounter
+    from server.gateway.trimming.counter import TokenCounter
 
     async with httpx.AsyncClient(base_url=real_engine.url, timeout=10.0) as client:
         async def tokenize(messages, add_generation_prompt):

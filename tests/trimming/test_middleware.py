@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from server.gateway.metrics import GatewayMetrics
-from server.gateway.trim_middleware import TrimmingMiddleware, effective_mode
-from server.profiles import TrimmingConfig
+from server.gateway.observability.metrics import GatewayMetrics
+from server.gateway.trimming.middleware import TrimmingMiddleware, effective_mode
+from server.engine.profiles import TrimmingConfig
 from tests.standin import StandinConfig, build_app, count_chat_tokens
 from tests.support import serve_in_thread
 

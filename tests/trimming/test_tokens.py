@@ -12,7 +12,7 @@ import asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.gateway.tokens import TokenCounter, message_key
+from server.gateway.trimming.counter import TokenCounter, message_key
 from tests.trimming.conversations import conversations
 
 

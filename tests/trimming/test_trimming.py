@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.gateway.trimming import leading_instructions, trim_messages
+from server.gateway.trimming.core import leading_instructions, trim_messages
 from tests.trimming.conversations import conversations, weight
 
 

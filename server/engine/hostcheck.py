@@ -16,8 +16,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server.planner import PlanError, load_model_config, plan_profile, text_config
-from server.profiles import FP8_KV_CACHE_DTYPES, Profile, load_profile, resolve_profile_path
+from server.engine.planner import PlanError, load_model_config, plan_profile, text_config
+from server.engine.profiles import FP8_KV_CACHE_DTYPES, Profile, load_profile, resolve_profile_path
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """What history trimming needs to know about a served model, from the gateway's view of it.
 
-`TrimmingMiddleware` (server.gateway.trim_middleware) asks `lookup(model)` for a target with
+`TrimmingMiddleware` (server.gateway.trimming.middleware) asks `lookup(model)` for a target with
 the model's context length, its trimming settings and a token counter. The count comes from
 the engine itself: vLLM's `/tokenize` with `messages` applies the model's own chat template.
 """
@@ -12,8 +12,8 @@ from collections.abc import Awaitable, Callable
 import httpx
 
 from server.gateway.settings import Routing
-from server.gateway.upstreams import ModelPool, Upstreams
-from server.profiles import TrimmingConfig
+from server.gateway.engines.pool import ModelPool, Upstreams
+from server.engine.profiles import TrimmingConfig
 
 
 class TokenizeFailed(RuntimeError):

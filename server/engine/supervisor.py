@@ -23,11 +23,11 @@ from pathlib import Path
 
 import httpx
 
-from server.hostcheck import check_profile, refuse_message
-from server.profiles import Profile, load_profile, resolve_profile_path
-from server.render import engine_argv, render_shell
+from server.engine.hostcheck import check_profile, refuse_message
+from server.engine.profiles import Profile, load_profile, resolve_profile_path
+from server.engine.render import engine_argv, render_shell
 
-log = logging.getLogger("server.supervisor")
+log = logging.getLogger("server.engine.supervisor")
 
 # A crash after this long of healthy running starts the backoff over.
 STABLE_AFTER_S = 60.0
@@ -231,7 +231,7 @@ def prepare(profile: Profile) -> None:
         raise EngineStartError(refuse_message(profile, problems))
     path = profile.model_path
     if profile.build_tiny_model and path is not None and not (path / "config.json").exists():
-        from server.tinymodel import build_tiny_model
+        from server.engine.tinymodel import build_tiny_model
 
         build_tiny_model(path, log=lambda msg: log.info("[tiny-model] %s", msg))
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import yaml
 
-from server.profiles import Profile
+from server.engine.profiles import Profile
 
 # Boolean flags that vLLM declares with argparse.BooleanOptionalAction, so `false` has a
 # `--no-` form. For any other boolean, `false` means "leave vLLM's default" and is omitted,

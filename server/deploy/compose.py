@@ -1,6 +1,6 @@
 """`python -m server compose`: the Docker Compose deployment, rendered from a gateway config.
 
-One truth: the engines' command lines come from the profiles through `server.render.engine_argv`
+One truth: the engines' command lines come from the profiles through `server.engine.render.engine_argv`
 (the renderer `engine-args` and the supervisor use), so the compose file cannot drift from the
 profiles without `--check` (and the tests) saying so. Next to the compose file this writes the
 gateway's own config (the source config's settings, each model with its profile and the URLs of
@@ -29,8 +29,8 @@ from typing import Any
 import yaml
 
 from server.gateway.settings import GatewaySettings, SettingsError, load_settings
-from server.profiles import Profile, load_profile
-from server.render import engine_argv
+from server.engine.profiles import Profile, load_profile
+from server.engine.render import engine_argv
 
 # Images, pinned. The vLLM image tag follows the vLLM release the project is tested with.
 VLLM_GPU_IMAGE = "vllm/vllm-openai:v0.32.0"
@@ -406,7 +406,7 @@ def render_files(config: Path, output: Path) -> dict[Path, str]:
 
 def _display_path(path: Path) -> str:
     """A path as written in the header: relative to the checkout, so renderings match anywhere."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     try:
         return path.resolve().relative_to(root).as_posix()
     except ValueError:

@@ -2,7 +2,7 @@
 
 This is the pure part of history trimming: no I/O, no tokenizer. The caller passes a `count`
 function (tokens one message adds to the rendered chat template) and the fixed `overhead` of one
-rendered prompt (generation prompt, per-call tokens such as BOS); `server.gateway.tokens` supplies
+rendered prompt (generation prompt, per-call tokens such as BOS); `server.gateway.trimming.counter` supplies
 both from the engine's own tokenizer.
 
 What is kept, in order of precedence:

@@ -15,7 +15,7 @@ import logging
 import httpx
 
 from server.gateway.settings import HealthCheck
-from server.gateway.upstreams import Engine, Upstreams
+from server.gateway.engines.pool import Engine, Upstreams
 
 log = logging.getLogger("gateway.health")
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from server.gateway import routing
+from server.gateway.engines import routing
 from server.gateway.errors import ModelNotFound
 from server.gateway.settings import ResolvedModel, Routing
-from server.profiles import Profile, TrimmingConfig
+from server.engine.profiles import Profile, TrimmingConfig
 
 
 class Engine:
@@ -150,7 +150,7 @@ class Upstreams:
 
 def planned_kv_tokens(profile: Profile) -> int | None:
     """The KV-cache capacity the planner expects for one engine of `profile`, when it can tell."""
-    from server.planner import plan_profile
+    from server.engine.planner import plan_profile
 
     try:
         return plan_profile(profile).kv_cache_tokens

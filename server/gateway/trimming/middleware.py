@@ -1,8 +1,8 @@
 """History trimming in front of /v1/chat/completions: fit the request into the engine, or say why not.
 
 A pure-ASGI middleware. For a chat request whose model has a `TrimTarget`, it counts the
-prompt in the engine's own tokens (`server.gateway.tokens`), and when the messages plus the
-answer would not fit the engine's context it drops the oldest turns (`server.gateway.trimming`)
+prompt in the engine's own tokens (`server.gateway.trimming.counter`), and when the messages plus the
+answer would not fit the engine's context it drops the oldest turns (`server.gateway.trimming.core`)
 and rewrites the body, or — in `strict` mode, or when even the instructions plus the newest
 message do not fit — answers 400 `context_length_exceeded` itself.
 
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from server.gateway.errors import InvalidRequest, send_error
-from server.gateway.tokens import TokenCounter
-from server.gateway.trimming import TrimResult, trim_messages
-from server.profiles import TrimmingConfig
+from server.gateway.trimming.counter import TokenCounter
+from server.gateway.trimming.core import TrimResult, trim_messages
+from server.engine.profiles import TrimmingConfig
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from server.profiles import FP8_KV_CACHE_DTYPES, Profile, load_profile, resolve_profile_path
+from server.engine.profiles import FP8_KV_CACHE_DTYPES, Profile, load_profile, resolve_profile_path
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp16": 2, "bf16": 2}
@@ -227,7 +227,7 @@ def load_model_config(profile: Profile) -> tuple[dict[str, Any], Path]:
     if profile.model_path is not None:
         candidates.append(profile.model_path / "config.json")
     else:
-        shipped = Path(__file__).resolve().parent.parent / "configs" / "models"
+        shipped = Path(__file__).resolve().parents[2] / "configs" / "models"
         candidates.append(shipped / profile.model.replace("/", "--") / "config.json")
     for path in candidates:
         if path.is_file():

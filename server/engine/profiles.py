@@ -32,7 +32,7 @@ class ProfileError(ValueError):
 
 
 class TrimmingConfig(BaseModel):
-    """How the gateway fits long chat histories into this engine (see server.gateway.trimming)."""
+    """How the gateway fits long chat histories into this engine (see server.gateway.trimming.core)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -244,7 +244,7 @@ def _describe(exc: ValidationError) -> str:
 
 def profiles_dir() -> Path:
     """configs/profiles of this checkout."""
-    return Path(__file__).resolve().parent.parent / "configs" / "profiles"
+    return Path(__file__).resolve().parents[2] / "configs" / "profiles"
 
 
 def resolve_profile_path(name_or_path: str) -> Path:

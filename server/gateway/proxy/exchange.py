@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from server.gateway.context import request_id
+from server.gateway.edge.context import request_id
 from server.gateway.errors import (
     BodyTooLarge,
     ClientDisconnected,
@@ -41,12 +41,12 @@ from server.gateway.errors import (
     send_error,
     stream_error_event,
 )
-from server.gateway.routing import affinity_key
+from server.gateway.engines.routing import affinity_key
 from server.gateway.settings import GatewaySettings
-from server.gateway.sse import UsageScanner, ends_with_done, has_token, usage_from_body
-from server.gateway.upstream_client import Upstream, UpstreamResponse
-from server.gateway.upstreams import Engine, ModelPool, Upstreams
-from server.gateway.validation import Endpoint, parse_request
+from server.gateway.proxy.sse import UsageScanner, ends_with_done, has_token, usage_from_body
+from server.gateway.proxy.transport import Upstream, UpstreamResponse
+from server.gateway.engines.pool import Engine, ModelPool, Upstreams
+from server.gateway.edge.requests import Endpoint, parse_request
 
 log = logging.getLogger("gateway.proxy")
 

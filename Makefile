@@ -52,7 +52,7 @@ test-fast: install ## Tests that need no real engine and no Prometheus
 	$(BIN)/python -m pytest -m "not engine and not prometheus" $(PYTEST_ARGS)
 
 bench: install ## Gateway vs direct vs vllm-router on a stand-in engine; writes docs/bench/
-	$(BIN)/python -m tests.bench.proxy_bench --output docs/bench
+	$(BIN)/python -m bench.proxy_bench --output docs/bench
 
 loadtest: install ## Run the itinerary scenario against `make run`'s gateway
 	$(BIN)/python -m loadtest --url http://127.0.0.1:8000 --model tiny --scenario itinerary --record-header x-trim-status --output loadtest/out

@@ -6,9 +6,9 @@ import os
 
 import httpx
 
-from tests.bench.loadgen import run_load, summarize
-from tests.bench.proctree import tree_cpu_seconds, tree_pids
-from tests.bench.proxy_bench import figures, judge
+from bench.loadgen import run_load, summarize
+from bench.proctree import tree_cpu_seconds, tree_pids
+from bench.proxy_bench import figures, judge
 from tests.standin import StandinConfig, build_app
 from tests.support import serve_in_thread
 

@@ -7,8 +7,8 @@ client on core 0 sends, alternately to each gateway, a streaming chat request wh
 records the time to first token. The figure is the difference of the medians; the stand-in's
 tokenize counter shows how many /tokenize calls trimming made per request.
 
-Runs as part of `make bench` (tests/bench/proxy_bench.py), or alone:
-python -m tests.bench.trim_bench [--requests 150] [--output docs/bench]
+Runs as part of `make bench` (bench/proxy_bench.py), or alone:
+python -m bench.trim_bench [--requests 150] [--output docs/bench]
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from tests.bench.loadgen import _Connection, _Counters, _use_uvloop, build_request
-from tests.bench.procs import PYTHON, Processes, Started, free_port, wait_chat_ready
+from bench.loadgen import _Connection, _Counters, _use_uvloop, build_request
+from bench.procs import PYTHON, Processes, Started, free_port, wait_chat_ready
 
 MODEL = "standin"
 HISTORY_MESSAGES = 200
@@ -188,7 +188,7 @@ def render_markdown(result: dict, heading: str = "#") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.bench.trim_bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.trim_bench", description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=150)
     parser.add_argument("--output", type=Path, default=None, help="write trim.json and trim.md here")
     args = parser.parse_args(argv)

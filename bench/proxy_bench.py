@@ -3,7 +3,7 @@
 One run measures three paths to one stand-in engine (tests/standin.py; 20 ms to the first token,
 then 10 ms per token, 32 tokens): `direct`, `gateway` (`python -m server serve --upstream ...`)
 and `vllm-router` (PyPI `vllm-router`, round robin). The stand-in engine, this tool and the load
-generator (tests/bench/loadgen.py, its own process) run on core 0; every proxy runs on core 1
+generator (bench/loadgen.py, its own process) run on core 0; every proxy runs on core 1
 (`taskset`), so that the proxy's work is not mixed with the noise of everything else.
 
 For each concurrency (4, 64, 128, 512 streams) and each path, interleaved, the load generator
@@ -13,9 +13,9 @@ gateway issue asks for:
 - proxy CPU seconds per streamed chunk at 64 streams (its whole process tree, from /proc);
 - chunks per second kept at 128 streams, as a fraction of direct;
 - errors at 512 streams.
-Then the trimming benchmark (tests/bench/trim_bench.py) runs against the same stand-in engine.
+Then the trimming benchmark (bench/trim_bench.py) runs against the same stand-in engine.
 
-Usage: python -m tests.bench.proxy_bench --output docs/bench [--duration 8] [--paths direct,gateway]
+Usage: python -m bench.proxy_bench --output docs/bench [--duration 8] [--paths direct,gateway]
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.bench.loadgen import summarize
-from tests.bench.procs import PYTHON, Processes, Started, free_port, wait_chat_ready
+from bench.loadgen import summarize
+from bench.procs import PYTHON, Processes, Started, free_port, wait_chat_ready
 
 MODEL = "standin"
 CONCURRENCIES = (4, 64, 128, 512)
@@ -89,7 +89,7 @@ def run_loadgen(
     samples: bool = False,
 ) -> dict:
     argv = [
-        PYTHON, "-m", "tests.bench.loadgen", "--url", url, "--model", MODEL,
+        PYTHON, "-m", "bench.loadgen", "--url", url, "--model", MODEL,
         "--concurrency", str(concurrency), "--duration", str(duration), "--warmup", str(warmup),
         *[arg for name, started in cpu.items() for arg in ("--cpu", f"{name}={started.pid}")],
         *(["--samples"] if samples else []),
@@ -272,7 +272,7 @@ def render_markdown(report: dict, trim: dict | None) -> str:
         parts += ["", "## Paths not measured", ""]
         parts += [f"- {path}: {error.splitlines()[0] if error else ''}" for path, error in unavailable.items()]
     if trim is not None:
-        from tests.bench.trim_bench import render_markdown as render_trim
+        from bench.trim_bench import render_markdown as render_trim
 
         parts += ["", render_trim(trim, heading="##")]
     return "\n".join(parts) + "\n"
@@ -281,7 +281,7 @@ def render_markdown(report: dict, trim: dict | None) -> str:
 METHOD = (
     "One stand-in engine (tests/standin.py under uvicorn + uvloop + httptools: 20 ms to the first "
     "token, then 10 ms per token, 32 tokens, so 34 SSE chunks per answer with the role chunk and the "
-    "usage chunk) on core 0, with this tool and the load generator (tests/bench/loadgen.py: one "
+    "usage chunk) on core 0, with this tool and the load generator (bench/loadgen.py: one "
     "process, a raw asyncio HTTP/1.1 client on uvloop that only de-chunks and counts SSE events, one "
     "keep-alive connection per stream, closed loop). Each proxy runs alone on core 1 (`taskset -c 1`). "
     "The request is a streaming chat completion with `stream_options.include_usage`. For each "
@@ -299,7 +299,7 @@ METHOD = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.bench.proxy_bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.proxy_bench", description=__doc__.split("\n")[0])
     parser.add_argument("--output", type=Path, default=Path("docs/bench"))
     parser.add_argument("--duration", type=float, default=8.0, help="measurement window per run, seconds")
     parser.add_argument("--low-duration", type=float, default=12.0, help="window at 4 streams, seconds")
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             else {}
         )
         if not args.no_trim:
-            from tests.bench import trim_bench
+            from bench import trim_bench
 
             trim = trim_bench.run(procs, engine, engine_url)
     report["loadavg_after"] = loadavg()
@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(render_tables(report))
     if trim is not None:
-        from tests.bench.trim_bench import summary_line
+        from bench.trim_bench import summary_line
 
         print()
         print(summary_line(trim))

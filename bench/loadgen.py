@@ -13,7 +13,7 @@ What it records inside the measurement window (after a warm-up):
   answers slower than the per-request timeout;
 - CPU seconds of the process trees named with `--cpu NAME=PID` (read from /proc at the window edges).
 
-Usage: python -m tests.bench.loadgen --url http://127.0.0.1:8000 --model standin --concurrency 64
+Usage: python -m bench.loadgen --url http://127.0.0.1:8000 --model standin --concurrency 64
        --duration 8 [--warmup 2] [--cpu proxy=1234] ; prints one JSON object on stdout.
 """
 
@@ -28,7 +28,7 @@ import sys
 import time
 from urllib.parse import urlsplit
 
-from tests.bench.proctree import cores_busy_seconds, tree_cpu_seconds
+from bench.proctree import cores_busy_seconds, tree_cpu_seconds
 
 EVENT_END = b"\n\n"
 DONE = b"data: [DONE]"
@@ -372,7 +372,7 @@ def _use_uvloop() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tests.bench.loadgen", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.loadgen", description=__doc__.split("\n")[0])
     parser.add_argument("--url", required=True)
     parser.add_argument("--model", default="standin")
     parser.add_argument("--concurrency", type=int, default=4)

@@ -9,13 +9,14 @@ from server.gateway.edge.context import request_id_from
 from server.gateway.errors import InvalidRequest
 from server.gateway.settings import Auth, GatewaySettings, ModelEngines, SettingsError, parse_upstreams
 from server.gateway.engines.pool import Engine
+from server.gateway.edge.endpoints import BY_NAME
 from server.gateway.edge.requests import parse_request
 
 
 def test_parse_request_keeps_the_body_and_reads_model_and_stream():
-    parsed = parse_request(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": true}', "chat")
+    parsed = parse_request(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": true}', BY_NAME["chat"])
     assert (parsed.model, parsed.stream) == ("m", True)
-    assert parse_request(b'{"model": "m", "prompt": "x"}', "completions").stream is False
+    assert parse_request(b'{"model": "m", "prompt": "x"}', BY_NAME["completions"]).stream is False
 
 
 @pytest.mark.parametrize(("raw", "param", "code"), [
@@ -25,8 +26,17 @@ def test_parse_request_keeps_the_body_and_reads_model_and_stream():
 ])
 def test_parse_request_names_the_parameter(raw, param, code):
     with pytest.raises(InvalidRequest) as info:
-        parse_request(raw, "chat")
+        parse_request(raw, BY_NAME["chat"])
     assert (info.value.param, info.value.code) == (param, code)
+
+
+def test_parse_request_refuses_deep_nesting_before_anything_walks_it():
+    deep = b'{"model": "m", "messages": [{"role": "user", "content": ' + b"[" * 1000 + b"]" * 1000 + b"}]}"
+    with pytest.raises(InvalidRequest) as info:
+        parse_request(deep, BY_NAME["chat"])
+    assert info.value.code == "invalid_json"
+    shallow = b'{"model": "m", "messages": [{"role": "user", "content": ' + b"[" * 30 + b"]" * 30 + b"}]}"
+    assert parse_request(shallow, BY_NAME["chat"]).model == "m"
 
 
 def test_api_keys_from_env_and_file(tmp_path):

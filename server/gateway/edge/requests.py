@@ -1,48 +1,49 @@
-"""The few checks the gateway makes on a request body before it picks an engine.
+"""A proxied request, read once and parsed once: what every step after the router shares.
 
-The body is parsed once. The gateway checks only what it needs to route and to answer in the
-right shape (`model`, `messages`/`prompt`, `stream`, `stream_options`, `user`); everything
-else is the engine's business and passes through untouched, so its own validation errors
-reach the client unchanged.
+`parse_request` turns the body bytes into a `GatewayRequest` (or refuses them with the OpenAI
+`param` named); history trimming and the proxy then work on that one object. A step that
+changes the body calls `replace_body`, which serialises it once for the engine.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any
 
+from server.gateway.edge.asgi import Headers, header_str
+from server.gateway.edge.checks import check_depth, missing, type_name, wrong_type
+from server.gateway.edge.endpoints import Endpoint
 from server.gateway.errors import InvalidRequest
-from server.gateway.jsonio import loads
-
-Endpoint = Literal["chat", "completions"]
+from server.gateway.jsonio import dumps, loads
 
 
-@dataclass(frozen=True, slots=True)
-class ParsedRequest:
-    """What the gateway knows about a request after validation."""
+@dataclass(slots=True)
+class GatewayRequest:
+    """One request on its way to an engine."""
 
+    endpoint: Endpoint
     model: str
     stream: bool
-    body: dict[str, Any]
+    body: dict[str, Any]  # the parsed JSON body
+    raw: bytes  # the bytes the engine receives: the client's, or `body` re-serialised by `replace_body`
+    headers: Headers = field(default_factory=list)  # the client's request headers
+    request_id: str = ""
+    response_headers: Headers = field(default_factory=list)  # steps add headers to the client's answer
+    trimmed_messages: int | None = None  # what history trimming dropped, for the access log
+    trimmed_tokens: int | None = None
+
+    def header(self, name: bytes) -> str | None:
+        return header_str(self.headers, name)
+
+    def replace_body(self, body: dict[str, Any]) -> None:
+        """Send `body` instead of what the client sent."""
+        self.body = body
+        self.raw = dumps(body)
 
 
-def _type_name(value: Any) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
-            float: "number", type(None): "null"}.get(type(value), type(value).__name__)
-
-
-def _wrong_type(param: str, expected: str, value: Any) -> InvalidRequest:
-    return InvalidRequest(f"`{param}` must be {expected}, got {_type_name(value)}.", param=param,
-                          code="invalid_type")
-
-
-def _missing(param: str) -> InvalidRequest:
-    return InvalidRequest(f"Missing required parameter: `{param}`.", param=param,
-                          code="missing_required_parameter")
-
-
-def parse_request(raw: bytes, endpoint: Endpoint) -> ParsedRequest:
-    """Validate a chat or completions body; raises InvalidRequest with the OpenAI `param`."""
+def parse_request(raw: bytes, endpoint: Endpoint, *, headers: Headers | None = None,
+                  request_id: str = "") -> GatewayRequest:
+    """Parse and check a body for `endpoint`; raises InvalidRequest naming the OpenAI `param`."""
     if not raw.strip():
         raise InvalidRequest("The request body is empty; expected a JSON object.", code="invalid_json")
     try:
@@ -50,57 +51,38 @@ def parse_request(raw: bytes, endpoint: Endpoint) -> ParsedRequest:
     except ValueError as exc:
         raise InvalidRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
-        raise InvalidRequest(f"The request body must be a JSON object, got {_type_name(body)}.",
+        raise InvalidRequest(f"The request body must be a JSON object, got {type_name(body)}.",
                              code="invalid_json")
+    check_depth(body)
 
     model = body.get("model")
     if model is None:
-        raise _missing("model")
+        raise missing("model")
     if not isinstance(model, str):
-        raise _wrong_type("model", "a string", model)
+        raise wrong_type("model", "a string", model)
     if not model:
         raise InvalidRequest("`model` must not be empty.", param="model", code="invalid_value")
 
-    if endpoint == "chat":
-        messages = body.get("messages")
-        if messages is None:
-            raise _missing("messages")
-        if not isinstance(messages, list):
-            raise _wrong_type("messages", "an array of message objects", messages)
-        if not messages:
-            raise InvalidRequest("`messages` must contain at least one message.", param="messages",
-                                 code="invalid_value")
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict):
-                raise _wrong_type(f"messages[{i}]", "an object", message)
-            if not isinstance(message.get("role"), str):
-                raise InvalidRequest(f"`messages[{i}].role` must be a string.", param=f"messages[{i}].role",
-                                     code="invalid_type")
-    else:
-        prompt = body.get("prompt")
-        if prompt is None:
-            raise _missing("prompt")
-        if not isinstance(prompt, (str, list)):
-            raise _wrong_type("prompt", "a string or an array", prompt)
-        if isinstance(prompt, list) and not prompt:
-            raise InvalidRequest("`prompt` must not be an empty array.", param="prompt", code="invalid_value")
+    if endpoint.check is not None:
+        endpoint.check(body)
 
     stream = body.get("stream")
-    if stream is None:
+    if stream is None or not endpoint.streams:
         stream = False
     elif not isinstance(stream, bool):
-        raise _wrong_type("stream", "a boolean", stream)
+        raise wrong_type("stream", "a boolean", stream)
 
     options = body.get("stream_options")
     if options is not None:
         if not isinstance(options, dict):
-            raise _wrong_type("stream_options", "an object", options)
+            raise wrong_type("stream_options", "an object", options)
         include = options.get("include_usage")
         if include is not None and not isinstance(include, bool):
-            raise _wrong_type("stream_options.include_usage", "a boolean", include)
+            raise wrong_type("stream_options.include_usage", "a boolean", include)
 
     user = body.get("user")
     if user is not None and not isinstance(user, str):
-        raise _wrong_type("user", "a string", user)
+        raise wrong_type("user", "a string", user)
 
-    return ParsedRequest(model=model, stream=stream, body=body)
+    return GatewayRequest(endpoint=endpoint, model=model, stream=stream, body=body, raw=raw,
+                          headers=headers if headers is not None else [], request_id=request_id)

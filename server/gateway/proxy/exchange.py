@@ -46,7 +46,10 @@ from server.gateway.settings import GatewaySettings
 from server.gateway.proxy.sse import UsageScanner, ends_with_done, has_token, usage_from_body
 from server.gateway.proxy.transport import Upstream, UpstreamResponse
 from server.gateway.engines.pool import Engine, ModelPool, Upstreams
-from server.gateway.edge.requests import Endpoint, parse_request
+from server.gateway.edge.endpoints import BY_NAME
+from server.gateway.edge.requests import parse_request
+from typing import Literal
+Endpoint = Literal["chat", "completions"]
 
 log = logging.getLogger("gateway.proxy")
 
@@ -265,7 +268,7 @@ class Exchange:
         proxy = self.proxy
         try:
             raw = await read_body(receive, self.scope["headers"], proxy.settings.limits.max_body_bytes)
-            request = parse_request(raw, self.kind)
+            request = parse_request(raw, BY_NAME[self.kind])
             pool = proxy.upstreams.get(request.model)
             self.model = request.model
             self.stream = request.stream

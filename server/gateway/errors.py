@@ -126,21 +126,10 @@ def stream_error_event(exc: GatewayError) -> bytes:
     return b"data: " + error_body(exc) + b"\n\ndata: [DONE]\n\n"
 
 
-async def send_error(send: Send, exc: GatewayError) -> None:
+async def send_error(send: Send, exc: GatewayError, headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
     """Answer with `exc` as a complete JSON response (the response must not have started)."""
     body = error_body(exc)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               *exc.headers]
+               *exc.headers, *headers]
     await send({"type": "http.response.start", "status": exc.status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-def from_http_status(status: int, detail: str) -> GatewayError:
-    """Starlette's own HTTP errors (unknown path, wrong method, bad JSON in a FastAPI route)."""
-    if status == 404:
-        return RouteNotFound(f"No such endpoint: {detail}" if detail != "Not Found" else "Not found.")
-    if status == 405:
-        return MethodNotAllowed("Method not allowed on this endpoint.")
-    exc = InvalidRequest(detail) if 400 <= status < 500 else GatewayError(detail)
-    exc.status = status  # instance attribute: the class keeps its default
-    return exc

@@ -16,6 +16,7 @@ import pytest
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
+from server.deploy.plan import plan_deployment
 from server.gateway.app import create_app
 from server.gateway.settings import GatewaySettings, ModelEngines
 from tests.standin import Standin, StandinConfig, build_app
@@ -48,7 +49,7 @@ class Gateway:
 
     @property
     def state(self) -> Any:
-        return self.app.state.gateway
+        return self.app.state
 
     def engine(self, model: str, index: int = 0) -> Any:
         return self.state.upstreams.models[model].engines[index]
@@ -88,12 +89,12 @@ def engines() -> Iterator[Callable[..., list[Engine]]]:
 
 @pytest.fixture
 def gateway() -> Iterator[Callable[..., Gateway]]:
-    """start(settings, **create_app kwargs) -> a gateway served on loopback, stopped after the test."""
+    """start(settings, **create_app kwargs) -> a gateway for settings.models, served on loopback,
+    stopped after the test."""
     with contextlib.ExitStack() as stack:
         def start(settings: GatewaySettings, **kwargs: Any) -> Gateway:
             kwargs.setdefault("registry", CollectorRegistry())
-            kwargs.setdefault("profiles", {})
-            app = create_app(settings, **kwargs)
+            app = create_app(settings, plan_deployment(settings.models).served_models(), **kwargs)
             return Gateway(stack.enter_context(serve_in_thread(app)), app)
 
         yield start

@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from server.deploy.plan import plan_deployment
 from server.gateway.app import create_app
 from server.gateway.observability.logs import ACCESS_LOGGER
 from server.gateway.settings import GatewaySettings, HealthCheck, ModelEngines
@@ -58,8 +59,8 @@ def make_gateway(*models: ModelEngines, interval: float = 0.1, **settings_fields
     settings = GatewaySettings(
         models=list(models), metrics_scrape_interval=interval, **settings_fields
     )
-    app = create_app(settings, registry=CollectorRegistry(), profiles={})
-    return app, app.state.gateway
+    app = create_app(settings, plan_deployment(settings.models).served_models(), registry=CollectorRegistry())
+    return app, app.state
 
 
 def test_ttft_once_per_stream_at_first_content_chunk_and_counters_by_status(standin_url, caplog):

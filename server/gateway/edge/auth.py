@@ -11,13 +11,8 @@ import hmac
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
-
-from server.gateway.errors import AuthenticationFailed, send_error
+from server.gateway.errors import AuthenticationFailed
 from server.gateway.settings import Auth, SettingsError
-
-OPS_PATHS = frozenset({"/health", "/ready", "/metrics"})
-
 
 def load_api_keys(config: Auth, environ: Mapping[str, str] | None = None,
                   base: Path | None = None) -> list[bytes]:
@@ -54,28 +49,13 @@ def bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
     return None
 
 
-class AuthMiddleware:
-    """Pure-ASGI guard in front of everything but the ops endpoints (unless those are protected too)."""
-
-    def __init__(self, app: Any, *, keys: list[bytes], protect_ops: bool = False) -> None:
-        self.app = app
-        self.keys = keys
-        self.protect_ops = protect_ops
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not self.keys or scope["method"] == "OPTIONS" or (
-            not self.protect_ops and scope["path"] in OPS_PATHS
-        ):
-            await self.app(scope, receive, send)
-            return
-        token = bearer_token(scope["headers"])
-        if token is None:
-            await send_error(send, AuthenticationFailed(
-                "Missing API key: send it as `Authorization: Bearer YOUR_KEY`.",
-                headers=[(b"www-authenticate", b"Bearer")]))
-            return
-        if not key_matches(token, self.keys):
-            await send_error(send, AuthenticationFailed(
-                "Incorrect API key provided.", headers=[(b"www-authenticate", b"Bearer")]))
-            return
-        await self.app(scope, receive, send)
+def check_api_key(headers: list[tuple[bytes, bytes]], keys: list[bytes]) -> None:
+    """Raise AuthenticationFailed unless the request carries one of `keys` (no keys: open)."""
+    if not keys:
+        return
+    token = bearer_token(headers)
+    if token is None:
+        raise AuthenticationFailed("Missing API key: send it as `Authorization: Bearer YOUR_KEY`.",
+                                   headers=[(b"www-authenticate", b"Bearer")])
+    if not key_matches(token, keys):
+        raise AuthenticationFailed("Incorrect API key provided.", headers=[(b"www-authenticate", b"Bearer")])

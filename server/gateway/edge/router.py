@@ -1,0 +1,147 @@
+"""The gateway's ASGI application: one router owns every endpoint.
+
+    client ─► Gateway: request id, API key, route
+                ├─ POST in endpoints.ENDPOINTS ─► body read once ─► GatewayRequest ─► steps
+                │     (history trimming) ─► Proxy ─► transport ─► engine
+                └─ GET ops.ROUTES ─► /v1/models[/{id}], /health, /ready, /metrics
+Anything else is 404 (unknown path) or 405 (known path, wrong method), in the OpenAI error
+envelope like every other refusal; nothing redirects. Every response carries `x-request-id`.
+An exception nothing else handled becomes one logged line and a 500 envelope, never a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from time import perf_counter
+
+from server.gateway.edge.asgi import Receive, Scope, Send, read_body, send_bytes
+from server.gateway.edge.auth import check_api_key
+from server.gateway.edge.context import request_id_from
+from server.gateway.edge.endpoints import BY_PATH, Endpoint
+from server.gateway.edge.ops import OPEN_PATHS, GatewayState, find_route
+from server.gateway.edge.requests import GatewayRequest, parse_request
+from server.gateway.errors import ClientDisconnected, GatewayError, InternalError, MethodNotAllowed, \
+    RouteNotFound, send_error
+from server.gateway.observability.record import CLIENT_CLOSED, RequestRecord, RequestReporter
+from server.gateway.proxy.exchange import Proxy
+
+log = logging.getLogger("gateway")
+
+RequestStep = Callable[[GatewayRequest], Awaitable[None]]
+Hook = Callable[[], Awaitable[None]]
+
+
+class Gateway:
+    """The ASGI app `create_app` assembles (see the module doc)."""
+
+    def __init__(self, *, state: GatewayState, proxy: Proxy, reporter: RequestReporter,
+                 steps: Sequence[RequestStep] = (), keys: list[bytes] | None = None, protect_ops: bool = False,
+                 max_body_bytes: int = 32 * 2**20, endpoints: Mapping[str, Endpoint] = BY_PATH,
+                 startup: Hook | None = None, shutdown: Hook | None = None) -> None:
+        self.state = state
+        self.proxy = proxy
+        self.reporter = reporter
+        self.steps = tuple(steps)
+        self.keys = keys or []
+        self.protect_ops = protect_ops
+        self.max_body_bytes = max_body_bytes
+        self.endpoints = endpoints
+        self.startup = startup
+        self.shutdown = shutdown
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            endpoint = self.endpoints.get(scope["path"])
+            if endpoint is not None and scope["method"] == "POST":
+                await self._proxied(endpoint, scope, receive, send)
+            else:
+                await self._other(endpoint, scope, send)
+        elif scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _proxied(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = scope["headers"]
+        rid = request_id_from(headers)
+        id_header = [(b"x-request-id", rid.encode())]
+        try:
+            check_api_key(headers, self.keys)
+        except GatewayError as exc:
+            await send_error(send, exc, id_header)
+            return
+        record = RequestRecord(rid, endpoint.name, perf_counter())
+        request: GatewayRequest | None = None
+        try:
+            raw = await read_body(receive, headers, self.max_body_bytes)
+            request = parse_request(raw, endpoint, headers=headers, request_id=rid)
+            pool = self.state.upstreams.get(request.model)
+            self.reporter.open(record, request.model)
+            record.stream = request.stream
+            for step in self.steps:
+                await step(request)
+            await self.proxy.forward(request, pool, record, receive, send)
+        except ClientDisconnected:
+            record.status, record.error = CLIENT_CLOSED, "client disconnected"
+        except GatewayError as exc:
+            record.error = exc.message
+            if record.started:  # cannot happen by construction; say so loudly rather than hang
+                log.error("request %s: %s after the response started", rid, exc.message)
+            else:
+                record.status = exc.status
+                extra = [*request.response_headers, *id_header] if request is not None else id_header
+                await send_error(send, exc, extra)
+        except Exception:
+            log.exception("unexpected error in request %s (POST %s)", rid, endpoint.path)
+            record.error = "internal error"
+            if not record.started:
+                record.status = 500
+                await send_error(send, InternalError(
+                    f"The gateway failed unexpectedly; its log has the details under request id {rid}."), id_header)
+        finally:
+            if request is not None:
+                record.trimmed_messages, record.trimmed_tokens = request.trimmed_messages, request.trimmed_tokens
+            self.reporter.finish(record)
+
+    async def _other(self, endpoint: Endpoint | None, scope: Scope, send: Send) -> None:
+        """The GET endpoints, and 404/405 for everything else."""
+        headers = scope["headers"]
+        path, method = scope["path"], scope["method"]
+        id_header = [(b"x-request-id", request_id_from(headers).encode())]
+        try:
+            if method != "OPTIONS" and (self.protect_ops or path not in OPEN_PATHS):
+                check_api_key(headers, self.keys)
+            route = find_route(path)
+            if route is None:
+                if endpoint is not None:
+                    raise MethodNotAllowed("Method not allowed on this endpoint.")
+                raise RouteNotFound(f"No such endpoint: {method} {path[:200]}")
+            if method not in ("GET", "HEAD"):
+                raise MethodNotAllowed("Method not allowed on this endpoint.")
+            answer = await route(self.state, path)
+            await send_bytes(send, answer.status, answer.body if method == "GET" else b"", answer.content_type,
+                             id_header)
+        except GatewayError as exc:
+            await send_error(send, exc, id_header)
+        except Exception:
+            log.exception("unexpected error in %s %s", method, path[:200])
+            await send_error(send, InternalError("The gateway failed unexpectedly."), id_header)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    if self.startup is not None:
+                        await self.startup()
+                except Exception as exc:  # noqa: BLE001 - reported to the server, which exits
+                    log.exception("gateway start-up failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                try:
+                    if self.shutdown is not None:
+                        await self.shutdown()
+                finally:
+                    await send({"type": "lifespan.shutdown.complete"})
+                return

@@ -1,0 +1,92 @@
+"""What happened to one proxied request, and the one place that reports it: metrics and access log.
+
+The router opens a `RequestRecord` when a request arrives; the proxy fills in the engine,
+status, timings and usage; `RequestReporter.finish` turns it into metrics and one access-log
+line on every path, whatever the engine said (bookkeeping never raises on an engine's numbers).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Any, Protocol
+
+log = logging.getLogger("gateway")
+
+UNKNOWN_MODEL = "_unknown"  # the metrics label of requests refused before their model was known
+CLIENT_CLOSED = 499  # nginx's code for "the client closed the connection"; logs and metrics only
+
+
+class RequestMetrics(Protocol):
+    """The part of GatewayMetrics a request reports to (tests may pass their own)."""
+
+    def request_started(self, model: str) -> None: ...
+    def request_finished(self, model: str, code: int, duration_s: float, streamed: bool) -> None: ...
+    def first_token(self, model: str, seconds: float) -> None: ...
+    def inter_token(self, model: str, seconds: float) -> None: ...
+    def usage(self, model: str, prompt_tokens: int, completion_tokens: int) -> None: ...
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One request's outcome, filled in as it travels."""
+
+    request_id: str
+    endpoint: str
+    arrived: float
+    model: str | None = None  # a served model, once known (metrics count it from then on)
+    engine: str | None = None
+    status: int = 0
+    stream: bool = False
+    started: bool = False  # response headers went to the client
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+    usage: dict[str, Any] | None = None
+    error: str | None = None
+    trimmed_messages: int | None = None
+    trimmed_tokens: int | None = None
+
+
+def _token_count(value: object) -> int | None:
+    """A usage figure the engine reported, if it is a sane one (a non-negative integer)."""
+    return value if type(value) is int and value >= 0 else None
+
+
+class RequestReporter:
+    """Opens and closes the books on each request: in-flight gauge, counters, histograms, log line."""
+
+    def __init__(self, metrics: RequestMetrics, log_request: Callable[..., None] | None) -> None:
+        self.metrics = metrics
+        self.log_request = log_request
+
+    def open(self, record: RequestRecord, model: str) -> None:
+        """The request's model is known and served: from now on it is in flight under that label."""
+        record.model = model
+        self.metrics.request_started(model)
+
+    def finish(self, record: RequestRecord) -> None:
+        duration = perf_counter() - record.arrived
+        usage = record.usage if isinstance(record.usage, dict) else {}
+        prompt_tokens = _token_count(usage.get("prompt_tokens"))
+        completion_tokens = _token_count(usage.get("completion_tokens"))
+        metrics = self.metrics
+        model = record.model
+        if model is None:  # refused before a served model was known: counted, under one label
+            model = UNKNOWN_MODEL
+            metrics.request_started(model)
+        try:
+            if prompt_tokens is not None or completion_tokens is not None:
+                metrics.usage(model, prompt_tokens or 0, completion_tokens or 0)
+        finally:
+            metrics.request_finished(model, record.status, duration, record.stream)
+        if self.log_request is not None:
+            self.log_request(
+                request_id=record.request_id, model=record.model, engine=record.engine, status=record.status,
+                stream=record.stream,
+                ttft_s=record.first_token_at - record.arrived if record.first_token_at else None,
+                duration_s=duration, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                trimmed_messages=record.trimmed_messages, trimmed_tokens=record.trimmed_tokens,
+                error=record.error,
+            )

@@ -27,6 +27,14 @@ from typing import Any
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
+ECHO_LIMIT = 100  # characters of a client's value repeated in an answer or a log line
+
+
+def echo(value: str, limit: int = ECHO_LIMIT) -> str:
+    """A client-supplied value, cut to `limit` characters, to quote back in a message."""
+    return value if len(value) <= limit else f"{value[:limit]}... ({len(value)} characters)"
+
+
 class GatewayError(Exception):
     """A request the gateway answers itself, with an OpenAI error envelope."""
 
@@ -73,7 +81,7 @@ class ModelNotFound(GatewayError):
 
     def __init__(self, model: str, known: Iterable[str]) -> None:
         names = ", ".join(sorted(known)) or "none"
-        super().__init__(f"The model `{model}` does not exist. Known models: {names}.", param="model")
+        super().__init__(f"The model `{echo(model)}` does not exist. Known models: {names}.", param="model")
 
 
 class MethodNotAllowed(GatewayError):

@@ -112,7 +112,7 @@ def test_gateway_command_serves_health_and_models_in_front_of_engines(variant, t
              *command],
             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             # The image has this checkout's server/ installed; so does PYTHONPATH here.
-            env={**os.environ, "GATEWAY_API_KEYS": "", "PYTHONPATH": str(ROOT)},
+            env={**{k: v for k, v in os.environ.items() if k != "GATEWAY_API_KEYS"}, "PYTHONPATH": str(ROOT)},
         )
         try:
             base = f"http://127.0.0.1:{port}"

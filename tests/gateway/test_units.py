@@ -1,4 +1,4 @@
-"""Small pure pieces: body validation, API keys, request ids, engine health bookkeeping, settings."""
+"""Small pure pieces: body validation, API keys, request ids."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 from server.gateway.edge.auth import bearer_token, key_matches, load_api_keys
 from server.gateway.edge.context import request_id_from
 from server.gateway.errors import InvalidRequest
-from server.gateway.settings import Auth, GatewaySettings, ModelEngines, SettingsError, parse_upstreams
-from server.gateway.engines.pool import Engine
+from server.config import SettingsError
+from server.gateway.settings import Auth
 from server.gateway.edge.endpoints import BY_NAME
 from server.gateway.edge.requests import parse_request
 
@@ -28,6 +28,25 @@ def test_parse_request_names_the_parameter(raw, param, code):
     with pytest.raises(InvalidRequest) as info:
         parse_request(raw, BY_NAME["chat"])
     assert (info.value.param, info.value.code) == (param, code)
+
+
+@pytest.mark.parametrize("value", ["", ",", " , ,"])
+def test_an_api_key_variable_without_keys_is_refused_not_an_open_gateway(value):
+    with pytest.raises(SettingsError, match="holds no API key"):
+        load_api_keys(Auth(api_keys_env="K"), {"K": value})
+
+
+def test_an_api_key_file_without_keys_is_refused(tmp_path):
+    (tmp_path / "keys").write_text("# only a comment\n\n")
+    with pytest.raises(SettingsError, match="holds no API key"):
+        load_api_keys(Auth(api_keys_file="keys"), {}, base=tmp_path)
+
+
+def test_an_unknown_model_name_is_echoed_cut_short():
+    from server.gateway.errors import ModelNotFound
+
+    message = ModelNotFound("x" * 8_000_000, ["tiny"]).message
+    assert len(message) < 300 and "8000000 characters" in message
 
 
 def test_parse_request_refuses_deep_nesting_before_anything_walks_it():
@@ -64,45 +83,3 @@ def test_request_ids_are_kept_when_sane_and_made_otherwise():
     assert made != "has space" and len(made) == 32
     assert request_id_from([(b"x-request-id", b"x" * 129)]) != "x" * 129
     assert request_id_from([]) != request_id_from([])
-
-
-def test_engine_health_bookkeeping():
-    engine = Engine("m", "http://127.0.0.1:1/")
-    assert engine.id == "127.0.0.1:1" and engine.url == "http://127.0.0.1:1"
-    assert engine.record_check(False, unhealthy_after=2, healthy_after=2)  # the first check decides
-    assert not engine.healthy
-    engine.record_check(True, unhealthy_after=2, healthy_after=2)
-    assert not engine.healthy
-    engine.record_check(True, unhealthy_after=2, healthy_after=2)
-    assert engine.healthy
-    engine.record_check(False, unhealthy_after=2, healthy_after=2)
-    assert engine.healthy
-    engine.record_check(False, unhealthy_after=2, healthy_after=2)
-    assert not engine.healthy
-    engine.healthy = True
-    engine.mark_down("refused")
-    assert not engine.healthy and engine.last_error == "refused"
-
-
-def test_upstreams_from_the_command_line_and_profile_ports():
-    models = parse_upstreams(["a=http://h:1", "a=http://h:2/", "b=https://x"])
-    resolved = GatewaySettings(models=models).resolve_models({})
-    assert [(m.name, m.urls, m.trimming.mode) for m in resolved] == [
-        ("a", ["http://h:1", "http://h:2"], "off"), ("b", ["https://x"], "off")]
-    with pytest.raises(SettingsError):
-        parse_upstreams(["no-url"])
-    with pytest.raises(ValueError):
-        ModelEngines(urls=["http://h:1"])  # a URL-only model needs a name
-
-
-def test_profile_models_get_consecutive_ports(tmp_path):
-    from server.gateway.settings import load_settings
-
-    profile = tmp_path / "p.yaml"
-    profile.write_text("model: /m\nserved_model_name: pm\nreplicas: 2\ndevice: cpu\n")
-    config = tmp_path / "g.yaml"
-    config.write_text("models:\n  - profile: p.yaml\n    base_port: 9100\n  - name: u\n    urls: [http://e:1]\n")
-    settings = load_settings(config)
-    resolved = settings.resolve_models(settings.load_profiles())
-    assert [(m.name, m.urls, m.trimming.mode) for m in resolved] == [
-        ("pm", ["http://127.0.0.1:9100", "http://127.0.0.1:9101"], "auto"), ("u", ["http://e:1"], "off")]

@@ -16,9 +16,19 @@ from server.gateway.settings import Auth, SettingsError
 
 def load_api_keys(config: Auth, environ: Mapping[str, str] | None = None,
                   base: Path | None = None) -> list[bytes]:
-    """The accepted keys, from `config.api_keys_env` and `config.api_keys_file`."""
+    """The accepted keys, from `config.api_keys_env` and `config.api_keys_file`.
+
+    A variable or file that is there but holds no key (`""`, `","`, only comments) is refused:
+    it means someone meant to protect the gateway, and an open gateway would be the surprise.
+    """
     environ = os.environ if environ is None else environ
-    keys = [k.strip() for k in environ.get(config.api_keys_env, "").split(",")]
+    keys: list[str] = []
+    if config.api_keys_env in environ:
+        from_env = [k.strip() for k in environ[config.api_keys_env].split(",") if k.strip()]
+        if not from_env:
+            raise SettingsError(f"auth: ${config.api_keys_env} is set but holds no API key; set keys "
+                                f"(comma-separated) or unset it to run without keys")
+        keys += from_env
     if config.api_keys_file:
         path = Path(config.api_keys_file)
         if not path.is_absolute() and base is not None:
@@ -27,8 +37,11 @@ def load_api_keys(config: Auth, environ: Mapping[str, str] | None = None,
             lines = path.read_text().splitlines()
         except OSError as exc:
             raise SettingsError(f"auth.api_keys_file {path}: cannot read: {exc.strerror}") from None
-        keys += [line.strip() for line in lines if not line.strip().startswith("#")]
-    return [k.encode() for k in dict.fromkeys(keys) if k]
+        from_file = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+        if not from_file:
+            raise SettingsError(f"auth.api_keys_file {path}: holds no API key")
+        keys += from_file
+    return [k.encode() for k in dict.fromkeys(keys)]
 
 
 def key_matches(presented: bytes, keys: list[bytes]) -> bool:

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from server.deploy.plan import plan_deployment
 from server.gateway.app import create_app
+from server.gateway.edge.protocol import protocol_for
 from server.gateway.settings import GatewaySettings, ModelEngines
 from tests.standin import Standin, StandinConfig, build_app
 from tests.support import serve_in_thread
@@ -95,7 +96,8 @@ def gateway() -> Iterator[Callable[..., Gateway]]:
         def start(settings: GatewaySettings, **kwargs: Any) -> Gateway:
             kwargs.setdefault("registry", CollectorRegistry())
             app = create_app(settings, plan_deployment(settings.models).served_models(), **kwargs)
-            return Gateway(stack.enter_context(serve_in_thread(app)), app)
+            # The gateway's own connection protocol, as `serve` runs it (edge.protocol).
+            return Gateway(stack.enter_context(serve_in_thread(app, http=protocol_for(settings))), app)
 
         yield start
 

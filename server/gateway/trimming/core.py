@@ -20,10 +20,10 @@ nothing is mangled: the result says so (``fits`` is False) and carries both numb
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-Message = dict[str, Any]
+Message = dict[str, Any]  # one OpenAI chat message, as parsed from the request body
 
 INSTRUCTION_ROLES = frozenset({"system", "developer"})
 
@@ -43,8 +43,6 @@ class TrimResult:
     budget: int
     fits: bool = True
     required_tokens: int = 0
-    # Indices (into the input) of the kept messages; handy for callers holding per-message data.
-    kept_indices: list[int] = field(default_factory=list)
 
     @property
     def trimmed(self) -> bool:
@@ -88,7 +86,7 @@ def valid_cuts(messages: Sequence[Message], head: int) -> list[int]:
                 # No id at all: bind it to the nearest assistant that made calls.
                 issuer_of[index] = previous_assistant_with_calls
     # Walking from the end, track the earliest issuer any kept tool result needs.
-    cuts = []
+    cuts: list[int] = []
     earliest_needed = n
     for index in range(n - 1, head, -1):
         if index in issuer_of:
@@ -118,8 +116,11 @@ def trim_messages(
     total = sum(counts) + overhead
     if total <= budget:
         return TrimResult(
-            messages=messages, dropped_messages=0, dropped_tokens=0, kept_tokens=total,
-            budget=budget, kept_indices=list(range(n)),
+            messages=messages,
+            dropped_messages=0,
+            dropped_tokens=0,
+            kept_tokens=total,
+            budget=budget,
         )
     head = leading_instructions(messages)
     cuts = valid_cuts(messages, head)
@@ -137,20 +138,23 @@ def trim_messages(
     fitting = [cut for cut in cuts if head_tokens + suffix[cut] <= budget]
     on_user = [cut for cut in fitting if messages[cut].get("role") == "user"]
     cut = (on_user or fitting)[0]
-    kept_indices = list(range(head)) + list(range(cut, n))
     kept_tokens = head_tokens + suffix[cut]
     return TrimResult(
-        messages=[messages[i] for i in kept_indices],
+        messages=messages[:head] + messages[cut:],
         dropped_messages=cut - head,
         dropped_tokens=total - kept_tokens,
         kept_tokens=kept_tokens,
         budget=budget,
-        kept_indices=kept_indices,
     )
 
 
 def _does_not_fit(messages: list[Message], budget: int, required: int) -> TrimResult:
     return TrimResult(
-        messages=messages, dropped_messages=0, dropped_tokens=0, kept_tokens=required,
-        budget=budget, fits=False, required_tokens=required, kept_indices=list(range(len(messages))),
+        messages=messages,
+        dropped_messages=0,
+        dropped_tokens=0,
+        kept_tokens=required,
+        budget=budget,
+        fits=False,
+        required_tokens=required,
     )

@@ -37,14 +37,18 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-Message = dict[str, Any]
+from server.gateway.trimming.core import Message
+
 # tokenize(messages, add_generation_prompt) -> tokens; with tools, also a `tools=` keyword.
 Tokenize = Callable[..., Awaitable[int]]
+
+log = logging.getLogger("gateway.trimming")
 
 # Probe conversation for calibration: ordinary, template-friendly messages.
 _PROBES: tuple[Message, ...] = (
@@ -64,10 +68,8 @@ class Calibration:
     empty_message: int
     # No estimate has been found short of the exact count (probe included).
     trusted: bool
-    # Largest shortfall (exact - estimate > 0) and excess (estimate - exact) seen by count_exact.
+    # Largest shortfall (exact - estimate > 0) seen by count_exact.
     max_short: int = 0
-    max_over: int = 0
-    verifications: int = 0
 
 
 @dataclass(frozen=True)
@@ -118,15 +120,20 @@ class TokenCounter:
     `verify_margin` is how close to the budget an estimate may come before it is verified.
     """
 
-    def __init__(self, *, max_entries: int = 100_000, concurrency: int = 8, verify_margin: int = 8):
+    def __init__(
+        self, *, max_entries: int = 100_000, concurrency: int = 8, verify_margin: int = 8, max_background: int = 64
+    ) -> None:
         if max_entries < 1 or concurrency < 1 or verify_margin < 0:
             raise ValueError("max_entries and concurrency must be >= 1, verify_margin >= 0")
         self.max_entries = max_entries
         self.concurrency = concurrency
         self.verify_margin = verify_margin
+        # Counting tasks in flight; beyond that, new messages wait for the next turn.
+        self.max_background = max_background
         self._cache: OrderedDict[tuple[str, Key], int] = OrderedDict()  # also tool lists' costs
         self._calibrations: dict[str, Calibration] = {}
         self._learning: set[tuple[str, Key]] = set()  # being counted right now
+        self._background: set[asyncio.Task[None]] = set()
 
     def calibration(self, model: str) -> Calibration | None:
         return self._calibrations.get(model)
@@ -134,8 +141,70 @@ class TokenCounter:
     def __len__(self) -> int:
         return len(self._cache)
 
+    @property
+    def counting_in_background(self) -> int:
+        """Background tasks still counting new messages (see `learn_later`)."""
+        return len(self._background)
+
+    async def estimate(
+        self,
+        model: str,
+        tokenize: Tokenize,
+        messages: Sequence[Message],
+        add_generation_prompt: bool,
+        budget: int,
+        tools: list[Any] | None = None,
+    ) -> PromptCount:
+        """The cheapest count that can decide whether `messages` fit `budget`.
+
+        From the cache alone when that is exact, or when the prompt fits `budget` even with the
+        upper bounds of its unseen messages (listed in `unseen`: they are then counted in the
+        background, for the next turn, and the request need not wait); otherwise counted, with
+        only the messages not seen before tokenized.
+        """
+        quick = self.estimate_cached(model, messages, add_generation_prompt, tools)
+        if quick is not None and not quick.unseen:
+            return quick
+        if quick is not None and not self.needs_verification(model, quick.total, budget):
+            self.learn_later(model, tokenize, quick.unseen)
+            return quick
+        return await self.count(model, tokenize, messages, add_generation_prompt, tools)
+
+    async def verify(
+        self,
+        model: str,
+        tokenize: Tokenize,
+        messages: Sequence[Message],
+        add_generation_prompt: bool,
+        estimate: int,
+        budget: int,
+        tools: list[Any] | None = None,
+    ) -> int:
+        """The prompt tokens of `messages`: `estimate` when it is safely under `budget`, else
+        one exact count (which teaches the counter how far off the estimate was)."""
+        if not self.needs_verification(model, estimate, budget):
+            return estimate
+        return await self.count_exact(model, tokenize, messages, add_generation_prompt, estimate=estimate, tools=tools)
+
+    def learn_later(self, model: str, tokenize: Tokenize, messages: Sequence[Message]) -> None:
+        """Count `messages` in a background task (at most `max_background` at once)."""
+        if len(self._background) >= self.max_background:
+            return
+        task = asyncio.create_task(self._learn_quietly(model, tokenize, list(messages)))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _learn_quietly(self, model: str, tokenize: Tokenize, messages: list[Message]) -> None:
+        try:
+            await self.learn(model, tokenize, messages)
+        except Exception as exc:  # noqa: BLE001 - the next request counts them again
+            log.debug("background token count for model %s failed: %r", model, exc)
+
     def estimate_cached(
-        self, model: str, messages: Sequence[Message], add_generation_prompt: bool = True,
+        self,
+        model: str,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
         tools: list[Any] | None = None,
     ) -> PromptCount | None:
         """A count from the cache alone, no tokenize call: exact for the messages seen before,
@@ -151,8 +220,8 @@ class TokenCounter:
                 return None
             overhead += cost
         cache = self._cache
-        per_message = []
-        unseen = []
+        per_message: list[int] = []
+        unseen: list[Message] = []
         for message in messages:
             key = (model, message_key(message))
             value = cache.get(key)
@@ -175,8 +244,12 @@ class TokenCounter:
             self._learning.difference_update(fresh)
 
     async def count(
-        self, model: str, tokenize: Tokenize, messages: Sequence[Message],
-        add_generation_prompt: bool = True, tools: list[Any] | None = None,
+        self,
+        model: str,
+        tokenize: Tokenize,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: list[Any] | None = None,
     ) -> PromptCount:
         """Estimate the prompt of `messages`; only messages not seen before are tokenized.
 
@@ -193,7 +266,7 @@ class TokenCounter:
         fresh: dict[tuple[str, Key], int] = {}
         pending = list(missing.items())
         for start in range(0, len(pending), self.concurrency):
-            batch = pending[start:start + self.concurrency]
+            batch = pending[start : start + self.concurrency]
             counts = await asyncio.gather(*(tokenize([m], False) for _, m in batch))
             for (key, _), raw in zip(batch, counts, strict=True):
                 fresh[key] = max(0, raw - calibration.per_call)
@@ -217,8 +290,13 @@ class TokenCounter:
         return estimate > budget - slack
 
     async def count_exact(
-        self, model: str, tokenize: Tokenize, messages: Sequence[Message],
-        add_generation_prompt: bool, estimate: int | None = None, tools: list[Any] | None = None,
+        self,
+        model: str,
+        tokenize: Tokenize,
+        messages: Sequence[Message],
+        add_generation_prompt: bool,
+        estimate: int | None = None,
+        tools: list[Any] | None = None,
     ) -> int:
         """One tokenize call of the whole prompt; learns how far `estimate` was off."""
         if tools:
@@ -226,13 +304,9 @@ class TokenCounter:
         else:
             exact = await tokenize(list(messages), add_generation_prompt)
         calibration = self._calibrations.get(model)
-        if calibration is not None and estimate is not None:
-            calibration.verifications += 1
-            if exact > estimate:
-                calibration.max_short = max(calibration.max_short, exact - estimate)
-                calibration.trusted = False
-            else:
-                calibration.max_over = max(calibration.max_over, estimate - exact)
+        if calibration is not None and estimate is not None and exact > estimate:
+            calibration.max_short = max(calibration.max_short, exact - estimate)
+            calibration.trusted = False
         return exact
 
     async def _calibrate(self, model: str, tokenize: Tokenize) -> Calibration:
@@ -241,14 +315,19 @@ class TokenCounter:
             return known
         a, b, c = _PROBES
         ca, cb, cc, cab, cabc, cabc_gen, empty = await asyncio.gather(
-            tokenize([a], False), tokenize([b], False), tokenize([c], False),
-            tokenize([a, b], False), tokenize([a, b, c], False), tokenize([a, b, c], True),
+            tokenize([a], False),
+            tokenize([b], False),
+            tokenize([c], False),
+            tokenize([a, b], False),
+            tokenize([a, b, c], False),
+            tokenize([a, b, c], True),
             tokenize([{"role": "user", "content": ""}], False),
         )
         per_call = max(0, ca + cb - cab)
         estimate = ca + cb + cc - 2 * per_call
         calibration = Calibration(
-            per_call=per_call, generation_prompt=max(0, cabc_gen - cabc),
+            per_call=per_call,
+            generation_prompt=max(0, cabc_gen - cabc),
             empty_message=max(0, empty - per_call),
             trusted=cabc <= estimate and ca + cb - cab >= 0,
             max_short=max(0, cabc - estimate),
@@ -263,7 +342,8 @@ class TokenCounter:
             return self._cache[key]
         probe = [_PROBES[1]]
         with_tools, without = await asyncio.gather(
-            tokenize(probe, False, tools=tools), tokenize(probe, False),
+            tokenize(probe, False, tools=tools),
+            tokenize(probe, False),
         )
         cost = max(0, with_tools - without)
         self._remember(key, cost)

@@ -1,23 +1,32 @@
 """What history trimming needs to know about a served model, from the gateway's view of it.
 
-`TrimmingMiddleware` (server.gateway.trimming.middleware) asks `lookup(model)` for a target with
+`HistoryTrimming` (server.gateway.trimming.step) asks `lookup(model)` for a target with
 the model's context length, its trimming settings and a token counter. The count comes from
 the engine itself: vLLM's `/tokenize` with `messages` applies the model's own chat template.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol
 
 import httpx
 
-from server.gateway.settings import Routing
-from server.gateway.engines.pool import ModelPool, Upstreams
 from server.engine.profiles import TrimmingConfig
+from server.gateway.engines.pool import ModelPool
+from server.gateway.settings import Routing
+from server.gateway.trimming.core import Message
+
+
+class Pools(Protocol):
+    """The gateway's served models (`server.gateway.engines.pool`), as trimming reads them."""
+
+    @property
+    def models(self) -> Mapping[str, ModelPool]: ...
 
 
 class TokenizeFailed(RuntimeError):
-    """No engine of the model could count the tokens (the middleware then passes the request through)."""
+    """No engine of the model could count the tokens (trimming then passes the request through)."""
 
 
 class EngineTrimTarget:
@@ -37,15 +46,19 @@ class EngineTrimTarget:
     def trimming(self) -> TrimmingConfig:
         return self.pool.trimming
 
-    async def tokenize(self, messages: list[dict], add_generation_prompt: bool,
-                       tools: list | None = None) -> int:
+    async def tokenize(
+        self, messages: list[Message], add_generation_prompt: bool, tools: list[Any] | None = None
+    ) -> int:
         """Tokens of `messages` rendered by the model's chat template, counted by one of its engines.
         With `tools`, the template renders the tool definitions too (as vLLM does for the request)."""
         engine = self.pool.acquire(self.routing)
         if engine is None:
             raise TokenizeFailed(f"no healthy engine for model {self.pool.name}")
-        body: dict = {"model": self.pool.name, "messages": messages,
-                      "add_generation_prompt": add_generation_prompt}
+        body: dict[str, Any] = {
+            "model": self.pool.name,
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+        }
         if tools:
             body["tools"] = tools
         try:
@@ -61,10 +74,11 @@ class EngineTrimTarget:
         return count
 
 
-def make_lookup(upstreams: Upstreams, client: httpx.AsyncClient, routing: Routing,
-                timeout: httpx.Timeout) -> Callable[[str], Awaitable[EngineTrimTarget | None]]:
-    """`lookup(model)` for TrimmingMiddleware: None for an unknown model (the proxy answers 404)."""
-    targets = {name: EngineTrimTarget(pool, client, routing, timeout) for name, pool in upstreams.models.items()}
+def make_lookup(
+    pools: Pools, client: httpx.AsyncClient, routing: Routing, timeout: httpx.Timeout
+) -> Callable[[str], Awaitable[EngineTrimTarget | None]]:
+    """`lookup(model)` for HistoryTrimming: None for an unknown model (the router answers 404)."""
+    targets = {name: EngineTrimTarget(pool, client, routing, timeout) for name, pool in pools.models.items()}
 
     async def lookup(model: str) -> EngineTrimTarget | None:
         return targets.get(model)

@@ -1,7 +1,9 @@
-"""TrimmingMiddleware in front of the stand-in engine, over real HTTP.
+"""The HistoryTrimming step in front of the stand-in engine, over real HTTP.
 
-The stand-in counts tokens deterministically (4 per message + its words, 3 for the generation
-prompt) through /tokenize and in `usage.prompt_tokens`, so every number here can be predicted.
+`StepRouter` (tests/gateway/trimming/harness.py) plays the router's part: it parses the body
+once, calls the step and forwards the request's bytes and response headers. The stand-in counts
+tokens deterministically (4 per message + its words, 3 for the generation prompt) through
+/tokenize and in `usage.prompt_tokens`, so every number here can be predicted.
 """
 
 from __future__ import annotations
@@ -10,18 +12,21 @@ import contextlib
 import json
 import logging
 import ssl
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
 import pytest
 
-from server.gateway.observability.metrics import GatewayMetrics
-from server.gateway.trimming.middleware import TrimmingMiddleware, effective_mode
 from server.engine.profiles import TrimmingConfig
+from server.gateway.edge.endpoints import BY_NAME
+from server.gateway.edge.requests import parse_request
+from server.gateway.observability.metrics import GatewayMetrics
+from server.gateway.trimming.decision import effective_mode
+from server.gateway.trimming.step import HistoryTrimming
+from tests.gateway.trimming.harness import StepRouter
 from tests.standin import StandinConfig, build_app, count_chat_tokens
-from tests.support import serve_in_thread
+from tests.support import serve_in_thread, wait_for
 
 MODEL = "standin"
 # httpx builds an SSL context per client (25 ms) unless given one; the tests make many clients.
@@ -53,7 +58,7 @@ class Stack:
     engine: object
     target: StandinTarget
     metrics: GatewayMetrics
-    middleware: TrimmingMiddleware
+    step: HistoryTrimming
 
     def chat(self, messages: list[dict], headers: dict | None = None, **extra) -> httpx.Response:
         return httpx.post(f"{self.url}/v1/chat/completions", headers=headers or {}, timeout=10.0,
@@ -76,10 +81,10 @@ def stack(mode: str = "auto", *, max_model_len: int | None = 1000, **trimming) -
     async def lookup(model: str) -> StandinTarget | None:
         return target if model == MODEL else None
 
-    app = TrimmingMiddleware(engine, lookup=lookup, metrics=metrics)
-    with serve_in_thread(app) as url:
+    step = HistoryTrimming(lookup=lookup, metrics=metrics)
+    with serve_in_thread(StepRouter(step, engine)) as url:
         target.url = url
-        yield Stack(url, engine, target, metrics, app)
+        yield Stack(url, engine, target, metrics, step)
 
 
 def conversation(turns: int, words: int = 20) -> list[dict]:
@@ -121,7 +126,7 @@ def test_a_history_far_under_budget_is_sent_before_its_new_message_is_counted():
         response = s.chat(messages, max_tokens=5)
         assert response.headers["x-trim-status"] == "kept"
         assert "x-prompt-tokens-estimate" not in response.headers  # not counted before sending
-        _wait_for_background_counts(s.middleware)
+        _wait_for_background_counts(s.step)
         assert s.target.calls[calls:] == [1]  # counted afterwards, alone
         again = s.chat(messages, max_tokens=5)
         assert int(again.headers["x-prompt-tokens-estimate"]) == again.json()["usage"]["prompt_tokens"]
@@ -282,7 +287,7 @@ def test_a_growing_conversation_costs_one_small_tokenize_call_per_turn():
             assert response.status_code == 200
             assert response.json()["usage"]["prompt_tokens"] <= 900
             statuses.append((response.headers["x-trim-status"], "x-prompt-tokens-estimate" in response.headers))
-            _wait_for_background_counts(s.middleware)
+            _wait_for_background_counts(s.step)
             messages = [*messages, {"role": "assistant" if turn % 2 == 0 else "user",
                                     "content": f"reply{turn} " + "w " * 19}]
         calls = s.target.calls
@@ -297,11 +302,8 @@ def test_a_growing_conversation_costs_one_small_tokenize_call_per_turn():
         assert statuses[-1] == ("trimmed", True)
 
 
-def _wait_for_background_counts(middleware: TrimmingMiddleware) -> None:
-    deadline = time.monotonic() + 5
-    while middleware.counting_in_background and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert not middleware.counting_in_background
+def _wait_for_background_counts(step: HistoryTrimming) -> None:
+    wait_for(lambda: not step.counting_in_background, interval=0.005)
 
 
 class _Recorder:
@@ -326,47 +328,47 @@ class _Recorder:
         await send({"type": "http.response.body", "body": b"ok"})
 
 
+def _request(raw: bytes):
+    return parse_request(raw, BY_NAME["chat"])
+
+
 @pytest.mark.parametrize("raw", [
-    b"{not json",
-    b"[1, 2]",
-    b'{"model": "standin"}',
-    b'{"model": "standin", "messages": "hi"}',
-    b'{"model": "standin", "messages": [{"content": "no role"}]}',
     b'{"model": "standin", "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}',
     b'{"model": "other", "messages": [{"role": "user", "content": "x"}]}',
 ])
-def test_what_is_not_a_trimmable_chat_request_passes_untouched(raw):
-    recorder = _Recorder()
+async def test_what_is_not_a_trimmable_chat_request_passes_untouched(raw):
+    """Bodies the router cannot parse never reach the step (test_middleware.py has those)."""
     target = StandinTarget(TrimmingConfig(), max_model_len=10)
 
     async def lookup(model):
         return target if model == MODEL else None
 
-    with serve_in_thread(TrimmingMiddleware(recorder, lookup=lookup)) as url:
-        response = httpx.post(f"{url}/v1/chat/completions", content=raw)
-        assert response.status_code == 200
-        assert "x-trim-status" not in response.headers
-        assert recorder.bodies == [raw]
-        assert target.calls == []
+    request = _request(raw)
+    await HistoryTrimming(lookup=lookup)(request)
+    assert request.raw is raw
+    assert request.response_headers == []
+    assert request.trimmed_messages is None
+    assert target.calls == []
 
 
-def test_a_rewritten_body_has_the_right_content_length():
-    recorder = _Recorder()
+async def test_a_rewritten_body_is_the_kept_messages_serialised_once():
     engine = build_app(StandinConfig(model=MODEL))
     target = StandinTarget(TrimmingConfig(history_budget_tokens=100))
 
     async def lookup(model):
         return target
 
+    raw = json.dumps({"model": MODEL, "messages": conversation(20)}).encode()
+    request = _request(raw)
     with serve_in_thread(engine) as engine_url:
         target.url = engine_url
-        with serve_in_thread(TrimmingMiddleware(recorder, lookup=lookup)) as url:
-            messages = conversation(20)
-            response = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": messages})
-            assert response.headers["x-trim-status"] == "trimmed"
-    body = recorder.bodies[0]
-    assert int(recorder.headers[0][b"content-length"]) == len(body)
-    assert count_chat_tokens(json.loads(body)["messages"]) <= 100
+        await HistoryTrimming(lookup=lookup)(request)
+    assert dict(request.response_headers)[b"x-trim-status"] == b"trimmed"
+    sent = json.loads(request.raw)
+    assert sent == request.body and sent["model"] == MODEL
+    assert count_chat_tokens(sent["messages"]) <= 100
+    assert request.trimmed_messages == 20 - len(sent["messages"]) + 1
+    assert request.trimmed_tokens == count_chat_tokens(conversation(20)) - count_chat_tokens(sent["messages"])
 
 
 def test_other_paths_and_methods_are_not_touched():
@@ -405,7 +407,7 @@ def test_tool_definitions_count_against_the_budget_when_the_tokenizer_takes_them
             async def lookup(model, target=target):
                 return target
 
-            with serve_in_thread(TrimmingMiddleware(recorder, lookup=lookup)) as url:
+            with serve_in_thread(StepRouter(HistoryTrimming(lookup=lookup), recorder)) as url:
                 response = httpx.post(f"{url}/v1/chat/completions", verify=_TLS,
                                       json={"model": MODEL, "messages": messages, "tools": tools})
             assert response.headers["x-trim-status"] == "trimmed"

@@ -1,0 +1,193 @@
+"""History trimming as a request step: fit a chat request into its engine, or say why not.
+
+The router parses each request once into a `GatewayRequest` and calls `HistoryTrimming` on it
+before the proxy. For an endpoint that trims history, whose model has a `TrimTarget`, the step
+
+1. reads: the model's budget (`decision.prompt_budget`) and the mode (profile, `x-trim-mode`);
+2. counts: `counter.TokenCounter.estimate` (from its cache when it can; a tokenize call per new
+   message when it must);
+3. decides: `decision.decide`, a pure function (keep, trim, or refuse);
+4. verifies: the counter recounts the chosen prompt exactly when it comes close to the budget;
+5. forwards: a trimmed body replaces the request's (`GatewayRequest.replace_body`), and the
+   `x-trim-*` headers join the response (`GatewayRequest.response_headers`).
+
+A refusal raises `InvalidRequest` (400 `context_length_exceeded`, with the `x-trim-*` headers).
+Anything the step cannot count — a model without a target, an unusable `max_tokens`, a tokenizer
+that fails, an unexpected error — passes the request through untrimmed, so the engine reports
+it as usual; a failing tokenizer is logged once per model and answered with `x-trim-status:
+unavailable`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeGuard
+
+from server.engine.profiles import TrimmingConfig
+from server.gateway.edge.requests import GatewayRequest
+from server.gateway.trimming.core import Message
+from server.gateway.trimming.counter import TokenCounter
+from server.gateway.trimming.decision import (
+    Budget,
+    Outcome,
+    TrimOutcome,
+    answer_tokens,
+    decide,
+    effective_mode,
+    overshoot,
+    parse_mode,
+    prompt_budget,
+)
+
+log = logging.getLogger("gateway.trimming")
+
+MODE_HEADER = b"x-trim-mode"
+# Verification rounds when an exact count shows the estimate was short of the truth.
+_MAX_ROUNDS = 3
+
+
+class TrimTarget(Protocol):
+    """What trimming needs to know about the engines serving one model.
+
+    `tokenize` may also take a keyword `tools` (the request's tool definitions, which many chat
+    templates render into the prompt); when it does, their tokens are counted too.
+    """
+
+    @property
+    def max_model_len(self) -> int | None: ...
+
+    @property
+    def trimming(self) -> TrimmingConfig: ...
+
+    async def tokenize(self, messages: list[Message], add_generation_prompt: bool) -> int: ...
+
+
+Lookup = Callable[[str], Awaitable[TrimTarget | None]]
+
+
+class TrimMetrics(Protocol):
+    def trimmed(self, model: str, messages: int, tokens: int) -> None: ...
+
+
+@functools.cache
+def accepts_tools(kind: type[TrimTarget]) -> bool:
+    """Whether `kind.tokenize` takes the request's tool definitions (a `tools` keyword)."""
+    try:
+        parameters = inspect.signature(kind.tokenize).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return "tools" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
+class HistoryTrimming:
+    """The request step that fits chat histories into each model's token budget (see module doc)."""
+
+    def __init__(
+        self, *, lookup: Lookup, metrics: TrimMetrics | None = None, counter: TokenCounter | None = None
+    ) -> None:
+        self.lookup = lookup
+        self.metrics = metrics
+        self.counter = counter if counter is not None else TokenCounter()
+        self._failing: set[str] = set()  # models whose tokenizer failure was already logged
+
+    @property
+    def counting_in_background(self) -> int:
+        """Background tasks still counting new messages (see `TokenCounter.learn_later`)."""
+        return self.counter.counting_in_background
+
+    async def __call__(self, request: GatewayRequest) -> None:
+        if not request.endpoint.trims_history:
+            return
+        requested = parse_mode(request.header(MODE_HEADER))
+        outcome = await self.outcome(request.model, request.body, requested)
+        if outcome is None:
+            return
+        headers = outcome.response_headers()
+        if outcome.error is not None:
+            outcome.error.headers = headers
+            raise outcome.error
+        request.response_headers.extend(headers)
+        if outcome.kept is not None:
+            request.replace_body({**request.body, "messages": outcome.kept})
+            request.trimmed_messages = outcome.dropped_messages
+            request.trimmed_tokens = outcome.dropped_tokens
+            if self.metrics is not None:
+                self.metrics.trimmed(request.model, outcome.dropped_messages, outcome.dropped_tokens)
+
+    async def outcome(self, model: str, body: dict[str, Any], requested: str | None) -> TrimOutcome | None:
+        """What to do with the chat request `body` for `model`, when the client asked for mode
+        `requested` (already checked by `parse_mode`); None to pass it through without a word."""
+        messages = body.get("messages")
+        if not _is_chat(messages):
+            return None
+        try:
+            target = await self.lookup(model)
+        except Exception:  # trimming never turns a request into a 500
+            log.exception("trimming: looking up model %s failed; passing the request through", model)
+            return None
+        if target is None:
+            return None
+        config = target.trimming
+        mode = effective_mode(config.mode, requested)
+        if mode == "off":
+            return None
+        reserved = answer_tokens(body, config)
+        if reserved is None:
+            return None  # a bad max_tokens: let the engine say so
+        tokens = prompt_budget(target.max_model_len, reserved, config)
+        if tokens is None:
+            return TrimOutcome(Outcome.NO_BUDGET)
+        budget = Budget(tokens, target.max_model_len, reserved)
+        try:
+            outcome = await self._fit(model, body, target, messages, budget, mode)
+        except Exception as exc:  # noqa: BLE001 - any tokenizer failure: pass through, untrimmed
+            if model not in self._failing:
+                self._failing.add(model)
+                log.warning(
+                    "token counting for model %s failed, passing requests through untrimmed until it works again: %r",
+                    model,
+                    exc,
+                )
+            return TrimOutcome(Outcome.UNAVAILABLE)
+        self._failing.discard(model)
+        return outcome
+
+    async def _fit(
+        self, model: str, body: dict[str, Any], target: TrimTarget, messages: list[Message], budget: Budget, mode: str
+    ) -> TrimOutcome:
+        generation_prompt = bool(body.get("add_generation_prompt", True)) and not body.get(
+            "continue_final_message", False
+        )
+        tools = body.get("tools")
+        tools = tools if isinstance(tools, list) and tools and accepts_tools(type(target)) else None
+        tokenize, counter = target.tokenize, self.counter
+        counts = await counter.estimate(model, tokenize, messages, generation_prompt, budget.tokens, tools)
+        if counts.unseen:
+            return TrimOutcome(Outcome.KEPT)  # fits even with upper bounds: sent before it is counted
+        limit = budget.tokens
+        sent = counts.total
+        for _ in range(_MAX_ROUNDS):
+            outcome = decide(messages, counts.per_message, counts.overhead, budget, mode, limit=limit)
+            if outcome.prompt_tokens is None or outcome.status is Outcome.REJECTED:
+                return outcome
+            kept = outcome.kept if outcome.kept is not None else messages
+            sent = await counter.verify(
+                model, tokenize, kept, generation_prompt, outcome.prompt_tokens, budget.tokens, tools
+            )
+            if sent <= budget.tokens:
+                outcome.prompt_tokens = sent
+                return outcome
+            limit -= sent - budget.tokens  # the estimate was short: ask for that much less
+        return overshoot(messages, sent, budget, mode)
+
+
+def _is_chat(messages: Any) -> TypeGuard[list[Message]]:
+    """A non-empty list of message objects with string roles (the router checked it already)."""
+    return (
+        isinstance(messages, list)
+        and bool(messages)
+        and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)
+    )

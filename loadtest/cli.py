@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import datetime
 import json
@@ -14,9 +13,10 @@ from pathlib import Path
 
 import httpx
 
-from loadtest import scenarios
-from loadtest.client import ChatClient, make_http_client, normalize_base_url
+from loadtest import aio, scenarios
+from loadtest.client import HTTP_CLIENTS, ChatClient, make_transport, normalize_base_url
 from loadtest.engine_probe import EngineProbe
+from loadtest.overhead import fetch_engine_timings, overhead_summary
 from loadtest.progress import Progress
 from loadtest.report import Comparison, RunOutcome, console_table, write_outputs
 from loadtest.runner import LoadShape, Runner, StopRule, Target
@@ -115,6 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "x-trim-status)")
     target.add_argument("--metrics-url", help="a vLLM /metrics URL to sample KV-cache usage "
                         "during the run (per request and per turn) and prefix-cache hits per run")
+    target.add_argument("--engine-timings-url", metavar="URL",
+                        help="a server's per-request timings (the stand-in's /_standin/timings): "
+                             "joined with ours by x-request-id, the summary gets the load "
+                             "tester's own added TTFT (median_added_ttft_ms, ...)")
+    target.add_argument("--http-client", choices=HTTP_CLIENTS, default="raw",
+                        help="HTTP machinery: raw (asyncio + httptools, default; measured "
+                             "exact up to the limits in the README) or httpx")
+    target.add_argument("--loop", choices=aio.LOOPS, default="auto",
+                        help="event loop: uvloop when installed (auto), or asyncio")
     target.add_argument("--metrics-interval", type=float, default=0.1, metavar="SECONDS",
                         help="how often --metrics-url is sampled during a run (0.1)")
 
@@ -257,6 +266,10 @@ async def run_all(args: argparse.Namespace, shapes: list[LoadShape], stop: StopR
                 results = await _run_group(args, group, shape, stop, progress, probe_http)
                 for target, result in zip(group, results):
                     outcome = RunOutcome.of(result, normalize_base_url(target["url"]), slos)
+                    if args.engine_timings_url and target is targets[0]:
+                        timings = await fetch_engine_timings(args.engine_timings_url, probe_http)
+                        outcome.summary.update(overhead_summary(
+                            result.measured, timings, origin=result.origin))
                     if slos:
                         outcome.verdict = verdict(outcome.summary, args.slo_attainment)
                     level.append(outcome)
@@ -275,7 +288,7 @@ async def _run_group(args, group: list[dict], shape: LoadShape, stop: StopRule,
         runner_targets = []
         for target in group:
             http = await stack.enter_async_context(
-                make_http_client(max_connections=pool, timeout_s=args.timeout))
+                make_transport(args.http_client, max_connections=pool, timeout_s=args.timeout))
             client = ChatClient(target["url"], http=http, model=target["model"],
                                 api_key=args.api_key, headers=target["headers"],
                                 timeout_s=args.timeout, extra_body=target["extra"],
@@ -325,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                   started=started.isoformat(timespec="seconds"), stop=vars(stop).copy())
     progress = Progress(mode=args.progress)
     try:
-        outcomes, comparisons = asyncio.run(run_all(args, shapes, stop, slos, progress))
+        outcomes, comparisons = aio.run(run_all(args, shapes, stop, slos, progress), args.loop)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -2,8 +2,12 @@
 
 `ChatClient.stream()` is the only place that talks HTTP for requests. It always asks for
 `stream: true` and `stream_options.include_usage`, parses the SSE itself (`loadtest.sse`),
-stamps every network read with `time.perf_counter()`, and turns every way of failing into one
-error kind of `loadtest.records` (translated in one place, `_classify`).
+times every network read by its arrival, and turns every way of failing into one error kind of
+`loadtest.records` (translated in one place, `_classify`).
+
+The HTTP machinery is `loadtest.transport.HTTPClient` (asyncio + httptools, chunks stamped in
+the socket's read callback), chosen by measurement (`loadtest.selfcheck`); an
+`httpx.AsyncClient` still works (`--http-client httpx`), read through a small adapter.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from loadtest import records
+from loadtest import records, transport
 from loadtest.chunks import ChunkKind, error_message, interpret
 from loadtest.records import RequestRecord
 from loadtest.sse import SSEDecoder, SSEProtocolError
@@ -43,6 +47,55 @@ def make_http_client(*, max_connections: int | None, timeout_s: float) -> httpx.
     )
 
 
+HTTP_CLIENTS = ("raw", "httpx")
+
+
+def make_transport(kind: str, *, max_connections: int | None, timeout_s: float):
+    """The HTTP client for requests: `raw` (loadtest.transport, the default) or `httpx`."""
+    if kind == "raw":
+        return transport.HTTPClient(max_connections=max_connections,
+                                    connect_timeout_s=min(10.0, timeout_s))
+    if kind == "httpx":
+        return make_http_client(max_connections=max_connections, timeout_s=timeout_s)
+    raise ValueError(f"unknown HTTP client {kind!r} ({', '.join(HTTP_CLIENTS)})")
+
+
+class _HttpxResponse:
+    """An httpx streamed response read like a `transport.Response` (chunks timed on wake-up)."""
+
+    def __init__(self, response: httpx.Response, clock: Callable[[], float]) -> None:
+        self._response = response
+        self._clock = clock
+        self._raw = response.aiter_raw()
+        self.status_code = response.status_code
+        self.headers = response.headers
+
+    async def drain(self) -> None:
+        """Nothing: httpx closes a connection whose body was not read to the end (as before)."""
+
+    async def next_chunk(self) -> tuple[bytes, float] | None:
+        try:
+            data = await anext(self._raw)
+        except StopAsyncIteration:
+            return None
+        return data, self._clock()
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
+class _HttpxPoster:
+    """`post()` over an httpx.AsyncClient, the interface of `transport.HTTPClient`."""
+
+    def __init__(self, http: httpx.AsyncClient, clock: Callable[[], float]) -> None:
+        self._http = http
+        self._clock = clock
+
+    async def post(self, url: str, headers: dict[str, str], body: bytes) -> _HttpxResponse:
+        request = self._http.build_request("POST", url, headers=headers, content=body)
+        return _HttpxResponse(await self._http.send(request, stream=True), self._clock)
+
+
 @dataclass
 class Answer:
     """What a request produced besides its record: the text (for the next turn's history)."""
@@ -54,7 +107,8 @@ class Answer:
 class ChatClient:
     """Streams chat completions from one OpenAI-compatible server and records their timings.
 
-    `http` is owned by the caller (one pool per target); `headers` are sent with every request
+    `http` (a `transport.HTTPClient` or an `httpx.AsyncClient`) is owned by the caller (one
+    pool per target); `headers` are sent with every request
     (for example `x-trim-mode: strict`); `extra_body` is merged into every request body;
     the response headers named in `record_headers` are kept in the record.
     """
@@ -63,7 +117,7 @@ class ChatClient:
         self,
         base_url: str,
         *,
-        http: httpx.AsyncClient,
+        http: transport.HTTPClient | httpx.AsyncClient,
         model: str,
         api_key: str | None = None,
         headers: dict[str, str] | None = None,
@@ -75,7 +129,7 @@ class ChatClient:
         self.base_url = normalize_base_url(base_url)
         self.url = self.base_url + "/v1/chat/completions"
         self.model = model
-        self._http = http
+        self._http = _HttpxPoster(http, clock) if isinstance(http, httpx.AsyncClient) else http
         self._timeout_s = timeout_s
         self._extra_body = dict(extra_body or {})
         self._clock = clock
@@ -137,8 +191,7 @@ class ChatClient:
     async def _exchange(self, state: _StreamState, headers: dict, payload: bytes,
                         sent: float) -> None:
         record = state.record
-        request = self._http.build_request("POST", self.url, headers=headers, content=payload)
-        response = await self._http.send(request, stream=True)
+        response = await self._http.post(self.url, headers, payload)
         try:
             record.status = response.status_code
             record.response_headers_s = self._clock() - sent
@@ -151,10 +204,13 @@ class ChatClient:
                 record.error = f"HTTP {response.status_code}: {_envelope_message(body)}"
                 return
             decoder = SSEDecoder()
-            async for raw in response.aiter_raw():
-                now = self._clock() - sent
+            while (chunk := await response.next_chunk()) is not None:
+                raw, arrived = chunk
+                now = arrived - sent
                 for event in decoder.feed(raw):
                     if state.apply(event.data, now):
+                        if record.done:
+                            await response.drain()  # keep the connection for the next request
                         return
             for event in decoder.close():
                 if state.apply(event.data, self._clock() - sent):
@@ -191,6 +247,9 @@ class _StreamState:
             record.prompt_tokens = _int_or_none(chunk.usage.get("prompt_tokens"))
             record.completion_tokens = _int_or_none(chunk.usage.get("completion_tokens"))
             record.tokens_from_usage = record.completion_tokens is not None
+            details = chunk.usage.get("prompt_tokens_details")
+            if isinstance(details, dict):
+                record.cached_tokens = _int_or_none(details.get("cached_tokens"))
         if chunk.kind in (ChunkKind.ROLE, ChunkKind.TOKEN) and record.first_chunk_s is None:
             record.first_chunk_s = now
         if chunk.kind is not ChunkKind.TOKEN:
@@ -226,10 +285,10 @@ class _StreamState:
             record.tokens_from_usage = False
 
 
-async def _read_bounded(response: httpx.Response) -> bytes:
+async def _read_bounded(response) -> bytes:
     body = b""
-    async for part in response.aiter_raw():
-        body += part
+    while (chunk := await response.next_chunk()) is not None:
+        body += chunk[0]
         if len(body) >= MAX_ERROR_BODY:
             break
     return body[:MAX_ERROR_BODY]

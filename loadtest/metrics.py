@@ -14,6 +14,11 @@ same quantity. Definitions (README "Load testing"; all per measured request that
 - request_goodput = requests meeting every SLO / duration; slo_attainment = the same count /
   (completed + failed), so errors count as misses.
 - lateness = send - scheduled, per request (measured and failed alike).
+- cached_token_ratio = sum(cached_tokens) / sum(prompt_tokens) over the successful requests
+  whose `usage.prompt_tokens_details.cached_tokens` the server reported (vLLM: with
+  `--enable-prompt-tokens-details`); NaN when none did. 0..1.
+- achieved_rate = (session starts - 1) / (last start - first start): for open-loop runs, the
+  rate the generator actually kept (single-turn scenarios: requests per second).
 """
 
 from __future__ import annotations
@@ -37,6 +42,12 @@ ALIASES = {
     "request_goodput": "AIPerf goodput (good_request_count / duration)",
     "slo_attainment": "AIPerf good_request_fraction",
     "lateness": "GuideLLM Start Delay; vLLM client_queue_time (under a concurrency ceiling)",
+    "duration_s": "vLLM duration; GuideLLM duration; AIPerf benchmark_duration",
+    "request_throughput": "vLLM request_throughput; GuideLLM requests_per_second; AIPerf "
+                          "request_throughput",
+    "cached_token_ratio": "vLLM engine prefix_cache_hits / prefix_cache_queries, but per "
+                          "request from usage.prompt_tokens_details.cached_tokens",
+    "achieved_rate": "GuideLLM achieved requests_per_second (open loop)",
 }
 
 
@@ -132,6 +143,9 @@ def summarize(records: Sequence[RequestRecord], *, slos: dict[str, float] | None
         "errors": error_counts(failed),
         "error_examples": _error_examples(failed),
         "max_concurrent_requests": max_concurrency(records),
+        "duration_s": duration,
+        "achieved_rate": achieved_rate(records),
+        **cached_share(records),
     }
     if slos:
         summary["slos_ms"] = {k: v * 1000 for k, v in slos.items()}
@@ -178,9 +192,26 @@ def max_concurrency(records: Sequence[RequestRecord]) -> int:
     return peak
 
 
+def cached_share(records: Iterable[RequestRecord]) -> dict:
+    """`total_cached_tokens`, `cached_tokens_reported` (requests) and `cached_token_ratio`."""
+    reported = [r for r in records if r.ok and r.cached_tokens is not None]
+    cached = sum(r.cached_tokens for r in reported)
+    prompt = sum(r.prompt_tokens or 0 for r in reported)
+    return {"total_cached_tokens": cached, "cached_tokens_reported": len(reported),
+            "cached_token_ratio": cached / prompt if prompt else math.nan}
+
+
+def achieved_rate(records: Sequence[RequestRecord]) -> float:
+    """Session starts (turn 0) per second between the first and the last one sent."""
+    starts = sorted(r.sent_s for r in records if r.turn == 0)
+    if len(starts) < 2 or starts[-1] <= starts[0]:
+        return math.nan
+    return (len(starts) - 1) / (starts[-1] - starts[0])
+
+
 def per_turn(records: Sequence[RequestRecord]) -> list[dict]:
-    """Per turn index: requests, errors, median TTFT, prompt tokens, KV-cache usage (max),
-    and requests the gateway trimmed."""
+    """Per turn index: requests, errors, median TTFT, prompt tokens, cached tokens (sums and
+    share), KV-cache usage (max), and requests the gateway trimmed."""
     turns: dict[int, list[RequestRecord]] = {}
     for record in records:
         turns.setdefault(record.turn, []).append(record)
@@ -199,6 +230,8 @@ def per_turn(records: Sequence[RequestRecord]) -> list[dict]:
             * 1000,
             "median_prompt_tokens": percentile(prompt, 50) if prompt else math.nan,
             "median_prompt_chars": percentile([r.prompt_chars for r in group], 50),
+            "prompt_tokens": sum(prompt),
+            **cached_share(group),
             "max_kv_cache_usage": max(kv) if kv else math.nan,
             # the project's gateway says so in `x-trim-status` (kept with --record-header)
             "trimmed": sum(1 for r in group if (r.headers or {}).get("x-trim-status") == "trimmed"),

@@ -3,7 +3,8 @@
 - `ttft.png`, `itl.png`: the distribution of each run's TTFT / ITL (histogram and CDF);
 - `latency_over_time.png`: TTFT and E2E latency of every request against its send time,
   failures marked, so a run that degrades over time (or a warm-up) is visible;
-- `turns.png` (multi-turn runs): median TTFT, errors and KV-cache usage per turn.
+- `turns.png` (multi-turn runs): per turn, median TTFT, prompt and cached prompt tokens (the
+  server's `usage`), errors and KV-cache usage.
 """
 
 from __future__ import annotations
@@ -97,19 +98,25 @@ def write_plots(results: Sequence[RunResult], directory: Path) -> list[str]:
     written.append("latency_over_time.png")
 
     if any(x.turn > 0 for r in results for x in r.records):
-        fig, axes = plt.subplots(3, 1, figsize=(11, 8), sharex=True)
+        fig, axes = plt.subplots(4, 1, figsize=(11, 10), sharex=True)
         for result in results:
             rows = per_turn(result.measured)
             turns = [row["turn"] + 1 for row in rows]
-            axes[0].plot(turns, [row["median_ttft_ms"] for row in rows], "o-",
-                         label=_name(result))
-            axes[1].plot(turns, [row["errors"] for row in rows], "o-", label=_name(result))
-            axes[2].plot(turns, [row["max_kv_cache_usage"] * 100 for row in rows], "o-",
+            line = axes[0].plot(turns, [row["median_ttft_ms"] for row in rows], "o-",
+                                label=_name(result))[0]
+            axes[1].plot(turns, [row["prompt_tokens"] for row in rows], "o-",
+                         color=line.get_color(), label=f"{_name(result)}: prompt")
+            if any(row["cached_tokens_reported"] for row in rows):
+                axes[1].plot(turns, [row["total_cached_tokens"] for row in rows], "s--",
+                             color=line.get_color(), label=f"{_name(result)}: cached")
+            axes[2].plot(turns, [row["errors"] for row in rows], "o-", label=_name(result))
+            axes[3].plot(turns, [row["max_kv_cache_usage"] * 100 for row in rows], "o-",
                          label=_name(result))
         axes[0].set_ylabel("median TTFT (ms)")
-        axes[1].set_ylabel("errors")
-        axes[2].set_ylabel("KV-cache usage (%)")
-        axes[2].set_xlabel("turn")
+        axes[1].set_ylabel("prompt tokens (sum)")
+        axes[2].set_ylabel("errors")
+        axes[3].set_ylabel("KV-cache usage (%)")
+        axes[3].set_xlabel("turn")
         axes[0].set_title("Per turn of the conversations")
         for axis in axes:
             axis.grid(alpha=0.3)

@@ -43,6 +43,7 @@ class RequestRecord:
     e2e_s: float | None = None  # last token chunk
     closed_s: float | None = None  # the stream closed (after usage and [DONE])
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when reported
     completion_tokens: int | None = None
     tokens_from_usage: bool = False
     finish_reason: str | None = None

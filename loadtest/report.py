@@ -15,6 +15,7 @@ from pathlib import Path
 
 from loadtest.metrics import (ALIASES, differences, paired_differences, per_turn, ratios,
                               summarize)
+from loadtest.loop_lag import saturation
 from loadtest.runner import RunResult
 
 CAVEAT = ("Figures depend on the machine, the model and the engine settings: a tiny model on a "
@@ -35,6 +36,11 @@ class RunOutcome:
     def of(cls, result: RunResult, url: str, slos: dict[str, float]) -> RunOutcome:
         summary = summarize(result.measured, slos=slos)
         summary["engine"] = result.engine
+        summary.update(result.loop_lag)
+        shape = result.shape
+        summary["target_rate"] = shape.rate
+        summary["generator_warnings"] = saturation(
+            summary, target_rate=shape.rate if shape.concurrency is None else None)
         return cls(result, url, summary, per_turn(result.measured))
 
     def to_json(self) -> dict:
@@ -108,6 +114,14 @@ TABLE_ROWS = (
     ("median_lateness_ms", "schedule lateness median (ms)", 2),
     ("max_lateness_ms", "schedule lateness max (ms)", 2),
     ("max_concurrent_requests", "peak requests in flight", 0),
+    ("target_rate", "open loop: target rate (sessions/s)", 2),
+    ("achieved_rate", "achieved rate (session starts/s)", 2),
+    ("p99_loop_lag_ms", "load generator event-loop lag p99 (ms)", 2),
+    ("max_loop_lag_ms", "load generator event-loop lag max (ms)", 2),
+    ("cached_token_ratio", "cached share of prompt tokens (usage, 0..1)", 3),
+    ("median_added_ttft_ms", "load tester's own added TTFT median (ms, vs engine timings)", 2),
+    ("p99_added_ttft_ms", "load tester's own added TTFT p99 (ms, vs engine timings)", 2),
+    ("total_cached_tokens", "cached prompt tokens (usage)", 0),
     ("total_input_tokens", "prompt tokens (usage)", 0),
     ("total_output_tokens", "completion tokens (usage)", 0),
 )
@@ -125,6 +139,14 @@ def markdown(outcomes: Sequence[RunOutcome], comparisons: Sequence[Comparison], 
     for target, url in targets.items():
         lines.append(f"- target {target}: {url}")
     lines += ["", f"> {CAVEAT}", ""]
+    warned = [o for o in outcomes if o.summary.get("generator_warnings")]
+    if warned:
+        lines += ["## Warning: the load generator was the bottleneck", ""]
+        for outcome in warned:
+            for warning in outcome.summary["generator_warnings"]:
+                lines.append(f"- {outcome.result.target}: {outcome.result.run}: {warning}")
+        lines += ["", "Its figures for these runs include its own delays; see README "
+                  "\"Load testing\" for the rates and concurrencies it times exactly.", ""]
 
     lines += ["## Results", ""]
     header = [f"{o.result.target}: {o.result.run}" for o in outcomes]
@@ -137,7 +159,8 @@ def markdown(outcomes: Sequence[RunOutcome], comparisons: Sequence[Comparison], 
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     engines = [o for o in outcomes if o.summary.get("engine")]
     if engines:
-        for key in ("prefix_cache_hit_rate", "num_preemptions_total"):
+        for key in ("prefix_cache_queries_total", "prefix_cache_hits_total",
+                    "prefix_cache_hit_rate", "num_preemptions_total"):
             cells = [_fmt(o.summary.get("engine", {}).get(key), 3) for o in outcomes]
             lines.append(f"| engine {key} (from /metrics) | " + " | ".join(cells) + " |")
     lines.append("")
@@ -198,8 +221,9 @@ def markdown(outcomes: Sequence[RunOutcome], comparisons: Sequence[Comparison], 
     if multi:
         lines += ["## Per turn", ""]
         lines.append("| run | turn | requests | errors | trimmed | median TTFT (ms) | median "
-                     "prompt tokens | median prompt chars | max KV-cache usage (%) |")
-        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+                     "prompt tokens | prompt tokens | cached tokens | cached share | median "
+                     "prompt chars | max KV-cache usage (%) |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for outcome in multi:
             for row in outcome.turns:
                 kv = row["max_kv_cache_usage"]
@@ -208,10 +232,16 @@ def markdown(outcomes: Sequence[RunOutcome], comparisons: Sequence[Comparison], 
                     f"{row['requests']} | {row['errors']} | {row['trimmed']} | "
                     f"{_fmt(row['median_ttft_ms'])} | "
                     f"{_fmt(row['median_prompt_tokens'], 0)} | "
+                    f"{row['prompt_tokens']} | "
+                    f"{row['total_cached_tokens'] if row['cached_tokens_reported'] else '-'} | "
+                    f"{_fmt(row['cached_token_ratio'], 3)} | "
                     f"{_fmt(row['median_prompt_chars'], 0)} | "
                     f"{_fmt(kv * 100 if kv == kv else None, 2)} |")
         lines += ["", "Prompt tokens are the server's `usage` of the requests that succeeded "
-                  "(after any trimming); prompt chars are what the client sent; `trimmed` "
+                  "(after any trimming); cached tokens are `usage.prompt_tokens_details."
+                  "cached_tokens` (vLLM reports them with `--enable-prompt-tokens-details`; "
+                  "`-` when the server did not), and cached share = cached / prompt tokens; "
+                  "prompt chars are what the client sent; `trimmed` "
                   "counts responses with `x-trim-status: trimmed` (with `--record-header "
                   "x-trim-status`)."]
         lines.append("")
@@ -259,20 +289,43 @@ def write_outputs(directory: Path, outcomes: Sequence[RunOutcome],
     return document
 
 
+def _columns(rows: Sequence[tuple]) -> str:
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(str(c).rjust(w) if i else str(c).ljust(w)
+                               for i, (c, w) in enumerate(zip(row, widths))) for row in rows)
+
+
 def console_table(outcomes: Sequence[RunOutcome], comparisons: Sequence[Comparison]) -> str:
     """A short plain-text summary for the terminal."""
     rows = [("run", "ok", "err", "req/s", "tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
-             "ITL p50", "E2E p50")]
+             "ITL p50", "E2E p50", "cached")]
     for o in outcomes:
         s = o.summary
         rows.append((f"{o.result.target}: {o.result.run}", _fmt(s["completed"]),
                      _fmt(s["failed"]), _fmt(s["request_throughput"], 2),
                      _fmt(s["output_throughput"], 1), _fmt(s.get("median_ttft_ms")),
                      _fmt(s.get("p99_ttft_ms")), _fmt(s.get("median_tpot_ms"), 2),
-                     _fmt(s.get("median_itl_ms"), 2), _fmt(s.get("median_e2el_ms"))))
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
-    text = "\n".join("  ".join(str(c).rjust(w) if i else str(c).ljust(w)
-                               for i, (c, w) in enumerate(zip(row, widths))) for row in rows)
+                     _fmt(s.get("median_itl_ms"), 2), _fmt(s.get("median_e2el_ms")),
+                     _fmt(s.get("cached_token_ratio"), 3)))
+    text = _columns(rows)
+    multi = [o for o in outcomes if len(o.turns) > 1]
+    for o in multi:
+        turns = [("turn", "requests", "prompt tok", "cached tok", "cached", "TTFT p50")]
+        turns += [(str(t["turn"] + 1), _fmt(t["requests"]), _fmt(t["prompt_tokens"]),
+                   _fmt(t["total_cached_tokens"]) if t["cached_tokens_reported"] else "-",
+                   _fmt(t["cached_token_ratio"], 3), _fmt(t["median_ttft_ms"]))
+                  for t in o.turns]
+        text += f"\nper turn, {o.result.target}: {o.result.run}:\n" + _columns(turns)
+    engines = [o for o in outcomes if o.summary.get("engine", {}).get("prefix_cache_queries_total")]
+    for o in engines:
+        engine = o.summary["engine"]
+        text += (f"\nengine prefix cache, {o.result.target}: {o.result.run}: "
+                 f"{_fmt(engine.get('prefix_cache_hits_total'), 0)} of "
+                 f"{_fmt(engine.get('prefix_cache_queries_total'), 0)} tokens hit "
+                 f"({_fmt(engine.get('prefix_cache_hit_rate'), 3)})")
+    for o in outcomes:
+        for warning in o.summary.get("generator_warnings") or ():
+            text += f"\nWARNING: {o.result.target}: {o.result.run}: {warning}"
     for comparison in comparisons:
         r = comparison.ratios
         text += (f"\nB/A at {comparison.run}: TTFT p50 x{_fmt(r['median_ttft_ms'], 3)}, "

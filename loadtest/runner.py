@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from loadtest.client import ChatClient
 from loadtest.engine_probe import EngineProbe, counter_deltas, during
+from loadtest.loop_lag import LoopLagMonitor
 from loadtest.records import RequestRecord
 from loadtest.scenarios import Session
 from loadtest.schedule import arrival_times
@@ -86,6 +87,8 @@ class RunResult:
     records: list[RequestRecord]
     wall_s: float
     engine: dict = field(default_factory=dict)  # counter deltas from --metrics-url
+    loop_lag: dict = field(default_factory=dict)  # the generator's own event-loop lag
+    origin: float = 0.0  # the run's start on the runner's clock (time.perf_counter())
 
     @property
     def measured(self) -> list[RequestRecord]:
@@ -154,23 +157,30 @@ class Runner:
         probes = [t.probe for t in self._targets]
         before = [await p.scrape() if p else None for p in probes]
         self._origin = self._clock()
-        for probe in probes:
-            if probe:
-                probe.start_sampling(self._origin)
-        if self._shape.rate is None:
-            workers = [asyncio.create_task(self._user()) for _ in range(self._shape.concurrency)]
-            await _gather_all(workers)
-        else:
-            if self._shape.concurrency:
-                self._ceiling = asyncio.Semaphore(self._shape.concurrency)
-            await self._open_loop()
-        wall = self._clock() - self._origin
+        monitor = LoopLagMonitor(clock=self._clock)
+        monitor.start()
+        try:
+            for probe in probes:
+                if probe:
+                    probe.start_sampling(self._origin)
+            if self._shape.rate is None:
+                workers = [asyncio.create_task(self._user())
+                           for _ in range(self._shape.concurrency)]
+                await _gather_all(workers)
+            else:
+                if self._shape.concurrency:
+                    self._ceiling = asyncio.Semaphore(self._shape.concurrency)
+                await self._open_loop()
+            wall = self._clock() - self._origin
+        finally:
+            loop_lag = await monitor.stop()
         results = []
         for target, start in zip(self._targets, before):
             records = sorted((r for r in self._records if r.target == target.label),
                              key=lambda r: r.sent_s)
             engine = await self._engine_summary(target.probe, start, records)
-            results.append(RunResult(target.label, self._run, self._shape, records, wall, engine))
+            results.append(RunResult(target.label, self._run, self._shape, records, wall, engine,
+                                     loop_lag, self._origin))
         return results
 
     async def _engine_summary(self, probe: EngineProbe | None, before: dict | None,

@@ -17,37 +17,50 @@ Pin the two processes to different cores so that they do not measure each other:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import json
 import math
 import os
 import platform
+import resource
 from pathlib import Path
 
 import httpx
 
-from loadtest import scenarios
-from loadtest.client import ChatClient, make_http_client
+from loadtest import aio, scenarios
+from loadtest.client import HTTP_CLIENTS, ChatClient, make_transport
+from loadtest.loop_lag import saturation
 from loadtest.metrics import describe, percentile
 from loadtest.overhead import fetch_engine_timings, overhead_summary
 from loadtest.runner import LoadShape, Runner, StopRule
 
+CLIENT_NAMES = {"raw": "loadtest.transport (asyncio + httptools)",
+                "httpx": "httpx AsyncClient (httpcore pool)"}
 
-async def _one_run(args, shape: LoadShape, stop: StopRule, control: httpx.AsyncClient) -> dict:
+
+async def _one_run(args, kind: str, shape: LoadShape, stop: StopRule,
+                   control: httpx.AsyncClient) -> dict:
     base = args.url.rstrip("/")
     (await control.delete(f"{base}/_standin/timings")).raise_for_status()
     pool = shape.concurrency or 4096
-    async with make_http_client(max_connections=pool, timeout_s=args.timeout) as http:
+    cpu_before = resource.getrusage(resource.RUSAGE_SELF)
+    async with make_transport(kind, max_connections=pool,
+                              timeout_s=args.timeout) as http:
         client = ChatClient(base, http=http, model=args.model, timeout_s=args.timeout)
         sessions = scenarios.random_prompts(args.seed, input_chars=args.input_chars,
                                             max_tokens=args.max_tokens)
         result = await Runner(client, sessions, shape, stop, run=shape.label).run()
+    cpu_after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu_s = (cpu_after.ru_utime + cpu_after.ru_stime) - (cpu_before.ru_utime + cpu_before.ru_stime)
     engine = await fetch_engine_timings(f"{base}/_standin/timings", control)
     measured = result.measured
     ok = [r for r in measured if r.ok]
-    row = {"load": shape.to_json(), "requests": len(measured), "failed": len(measured) - len(ok),
-           **overhead_summary(measured, engine)}
+    row = {"client": kind, "load": shape.to_json(), "requests": len(measured),
+           "failed": len(measured) - len(ok),
+           **overhead_summary(measured, engine, origin=result.origin)}
+    row["client_cpu_s"] = cpu_s
+    row["client_cpu_per_request_ms"] = cpu_s / len(result.records) * 1000
+    row["client_cpu_share"] = cpu_s / result.wall_s
     ttft = describe([r.ttft_s for r in ok if r.ttft_s is not None])
     row["median_ttft_ms"] = ttft.get("median", math.nan) * 1000
     row["median_engine_ttft_ms"] = percentile(
@@ -55,33 +68,44 @@ async def _one_run(args, shape: LoadShape, stop: StopRule, control: httpx.AsyncC
     sent = sorted(r.sent_s for r in measured)
     span = sent[-1] - sent[0] if len(sent) > 1 else math.nan
     row["send_rate"] = (len(sent) - 1) / span if span and span > 0 else math.nan
+    row["warnings"] = saturation({**result.loop_lag, "achieved_rate": row["send_rate"]},
+                                 target_rate=shape.rate)
     row["p99_lateness_ms"] = percentile([r.lateness_s for r in measured], 99) * 1000
     row["loop_lag"] = getattr(result, "loop_lag", None)
     return row
 
 
 async def run(args) -> list[dict]:
+    """Every load level with every client, the clients back to back per level (alternating
+    which goes first), so that a shared machine's drifts hit them alike."""
+    levels = []
+    for concurrency in args.concurrency:
+        count = max(args.min_requests, args.requests_per_stream * concurrency)
+        levels.append((LoadShape(concurrency=concurrency),
+                       StopRule(num_requests=count, warmup_requests=concurrency)))
+    for rate in args.rate:
+        count = max(args.min_requests, int(rate * args.rate_seconds))
+        levels.append((LoadShape(rate=rate, arrival="constant"),
+                       StopRule(num_requests=count, warmup_requests=int(rate * 0.5))))
     rows = []
     async with httpx.AsyncClient(trust_env=False) as control:
-        for concurrency in args.concurrency:
-            count = max(args.min_requests, args.requests_per_stream * concurrency)
-            stop = StopRule(num_requests=count, warmup_requests=concurrency)
-            rows.append(await _one_run(args, LoadShape(concurrency=concurrency), stop, control))
-            _print(rows[-1])
-        for rate in args.rate:
-            count = max(args.min_requests, int(rate * args.rate_seconds))
-            stop = StopRule(num_requests=count, warmup_requests=int(rate * 0.5))
-            shape = LoadShape(rate=rate, arrival="constant")
-            rows.append(await _one_run(args, shape, stop, control))
-            _print(rows[-1])
+        for index, (shape, stop) in enumerate(levels):
+            clients = args.http_client if index % 2 == 0 else args.http_client[::-1]
+            for kind in clients:
+                rows.append(await _one_run(args, kind, shape, stop, control))
+                _print(rows[-1])
     return rows
 
 
 def _print(row: dict) -> None:
     load = row["load"]
-    print(f"{load['label']:>28}: {row['requests']} req, failed {row['failed']}, added TTFT "
+    print(f"{row['client']:>5} {load['label']:>28}: {row['requests']} req, failed {row['failed']}, added TTFT "
           f"p50 {row['median_added_ttft_ms']:.2f} ms p99 {row['p99_added_ttft_ms']:.2f} ms, "
-          f"send rate {row['send_rate']:.1f}/s", flush=True)
+          f"send rate {row['send_rate']:.1f}/s; legs p50 send "
+          f"{row.get('median_send_leg_ms', math.nan):.2f} receive "
+          f"{row.get('median_receive_leg_ms', math.nan):.2f} ms; loop lag p99 "
+          f"{(row.get('loop_lag') or {}).get('p99_loop_lag_ms', math.nan):.1f} ms; CPU "
+          f"{row['client_cpu_share']:.2f} core", flush=True)
 
 
 def _fmt(value, digits=2) -> str:
@@ -93,39 +117,57 @@ def _fmt(value, digits=2) -> str:
 def markdown(document: dict) -> str:
     """The tables over every label in `document` (closed-loop added time; open-loop rates)."""
     lines = ["# The load tester's own added time, measured against the stand-in engine", "",
-             "Written by `python -m loadtest.selfcheck`. added TTFT = the load tester's TTFT - "
-             "the engine-side TTFT of the same request (joined by `x-request-id`). It includes "
-             "the loopback both ways and the stand-in's HTTP parsing, so it bounds the load "
-             "tester's own share from above.", ""]
+             ("Written by `python -m loadtest.selfcheck`. added TTFT = the load tester's TTFT - "
+              "the engine-side TTFT of the same request (joined by `x-request-id`). It includes "
+              "the loopback both ways and the stand-in's HTTP parsing, so it bounds the load "
+              "tester's own share from above."), ""]
     for label, entry in document["labels"].items():
         lines += [f"## {label}", "", f"- {entry['when']}, {entry['machine']}",
                   f"- command: `{entry['command']}`", f"- `uptime` before: {entry['uptime']}",
-                  f"- client: {entry['client']}", ""]
-        lines += ["| streams | requests | failed | TTFT p50 (ms) | engine TTFT p50 (ms) | "
-                  "**added TTFT p50 (ms)** | **added TTFT p99 (ms)** | added E2E p50 (ms) | "
-                  "loop lag p99 (ms) |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  f"- `uptime` after: {entry.get('uptime_after', '-')}",
+                  f"- event loop: {entry['loop']}; clients: " + "; ".join(
+                      f"`{k}` = {v}" for k, v in entry["clients"].items()), ""]
+        lines += [("| client | streams | requests | failed | TTFT p50 (ms) | engine TTFT p50 (ms) | "
+                   "**added TTFT p50 (ms)** | **added TTFT p99 (ms)** | send leg p50 / p99 | "
+                   "receive leg p50 / p99 | added E2E p50 (ms) | loop lag p99 (ms) | "
+                   "client CPU per request (ms) | client CPU share of a core |"),
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for row in entry["rows"]:
             if row["load"]["rate"] is not None:
                 continue
             lag = (row.get("loop_lag") or {}).get("p99_loop_lag_ms")
             lines.append(
-                f"| {row['load']['concurrency']} | {row['requests']} | {row['failed']} | "
+                f"| {row['client']} | {row['load']['concurrency']} | {row['requests']} | "
+                f"{row['failed']} | "
                 f"{_fmt(row['median_ttft_ms'])} | {_fmt(row['median_engine_ttft_ms'])} | "
                 f"**{_fmt(row['median_added_ttft_ms'])}** | **{_fmt(row['p99_added_ttft_ms'])}** "
-                f"| {_fmt(row['median_added_e2el_ms'])} | {_fmt(lag)} |")
+                f"| {_fmt(row.get('median_send_leg_ms'))} / {_fmt(row.get('p99_send_leg_ms'))} "
+                f"| {_fmt(row.get('median_receive_leg_ms'))} / "
+                f"{_fmt(row.get('p99_receive_leg_ms'))} "
+                f"| {_fmt(row['median_added_e2el_ms'])} | {_fmt(lag)} "
+                f"| {_fmt(row.get('client_cpu_per_request_ms'), 3)} "
+                f"| {_fmt(row.get('client_cpu_share'), 2)} |")
         rates = [row for row in entry["rows"] if row["load"]["rate"] is not None]
         if rates:
-            lines += ["", "| target rate (req/s, constant) | requests | achieved send rate | "
-                      "achieved / target | lateness p99 (ms) | added TTFT p50 (ms) | p99 (ms) |",
-                      "|---:|---:|---:|---:|---:|---:|---:|"]
+            lines += ["", ("| client | target rate (req/s, constant) | requests | achieved send rate | "
+                           "achieved / target | lateness p99 (ms) | added TTFT p50 (ms) | "
+                           "p99 (ms) |"),
+                      "|---|---:|---:|---:|---:|---:|---:|---:|"]
             for row in rates:
                 target = row["load"]["rate"]
                 lines.append(
-                    f"| {target:g} | {row['requests']} | {_fmt(row['send_rate'], 1)} | "
+                    f"| {row['client']} | {target:g} | {row['requests']} | {_fmt(row['send_rate'], 1)} | "
                     f"{_fmt(row['send_rate'] / target, 3)} | {_fmt(row['p99_lateness_ms'])} | "
                     f"{_fmt(row['median_added_ttft_ms'])} | {_fmt(row['p99_added_ttft_ms'])} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _clients(text: str) -> list[str]:
+    clients = [x.strip() for x in text.split(",") if x.strip()]
+    if not clients or set(clients) - set(HTTP_CLIENTS):
+        raise argparse.ArgumentTypeError(f"HTTP clients are {', '.join(HTTP_CLIENTS)}")
+    return clients
 
 
 def _ints(text: str) -> list[int]:
@@ -153,19 +195,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--http-client", type=_clients, default=["raw"],
+                        help="comma-separated, run back to back per level (raw, httpx)")
+    parser.add_argument("--loop", choices=aio.LOOPS, default="auto")
     args = parser.parse_args(argv)
     uptime = os.popen("uptime").read().strip()
-    rows = asyncio.run(run(args))
+    rows = aio.run(run(args), args.loop)
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     path = output / "overhead.json"
     document = json.loads(path.read_text()) if path.exists() else {"labels": {}}
     document["labels"][args.label] = {
-        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
                    f"{platform.python_version()}",
         "command": "python -m loadtest.selfcheck " + " ".join(argv or os.sys.argv[1:]),
-        "uptime": uptime, "client": "httpx AsyncClient (httpcore pool)", "rows": rows}
+        "uptime": uptime, "uptime_after": os.popen("uptime").read().strip(),
+        "clients": {c: CLIENT_NAMES[c] for c in args.http_client},
+        "loop": aio.loop_name(args.loop),
+        "rows": rows}
     path.write_text(json.dumps(document, indent=2, default=str) + "\n")
     (output / "overhead.md").write_text(markdown(document))
     print(f"wrote {output}/overhead.md")

@@ -135,3 +135,20 @@ def test_paired_compare_mode(standin, tmp_path):
     comparison = summary["comparisons"][0]
     assert comparison["mode"] == "paired"
     assert comparison["per_prompt_differences_b_minus_a"]["pairs"] == 6
+
+
+@pytest.mark.parametrize("client", ["raw", "httpx"])
+def test_engine_timings_give_the_load_testers_own_added_time(standin, tmp_path, capsys, client):
+    out = tmp_path / client
+    code = main(["--url", standin, "--scenario", "random", "--input-chars", "40",
+                 "--concurrency", "2", "--num-requests", "6", "--no-plots",
+                 "--http-client", client, "--engine-timings-url",
+                 f"{standin}/_standin/timings", "--output", str(out), *FAST])
+    assert code == EXIT_OK
+    summary = json.loads((out / "summary.json").read_text())["runs"][0]["summary"]
+    assert summary["joined_requests"] == 6 and summary["unjoined_requests"] == 0
+    # TTFT as the load tester saw it = the engine's TTFT + the added time, request by request
+    assert 0 < summary["median_added_ttft_ms"] < summary["median_ttft_ms"]
+    assert summary["median_send_leg_ms"] > 0 and summary["median_receive_leg_ms"] > 0
+    assert "p99_loop_lag_ms" in summary and "generator_warnings" in summary
+    assert "added TTFT" in (out / "report.md").read_text()

@@ -6,15 +6,24 @@ import time
 
 import httpx
 
-from loadtest.client import ChatClient, make_http_client, normalize_base_url
+import pytest
+
+from loadtest.client import ChatClient, make_transport, normalize_base_url
 from loadtest.records import RequestRecord
 from tests.support import free_port, serve_in_thread
 
 MESSAGES = [{"role": "user", "content": "plan a day in Lisbon"}]
 
 
-async def stream(url, *, max_tokens=8, timeout=10.0, extra=None, model="standin", hook=None):
-    async with make_http_client(max_connections=4, timeout_s=timeout) as http:
+@pytest.fixture(params=["raw", "httpx"])
+def kind(request):
+    """Every client test runs on both HTTP machineries."""
+    return request.param
+
+
+async def stream(url, *, max_tokens=8, timeout=10.0, extra=None, model="standin", hook=None,
+                 kind="raw"):
+    async with make_transport(kind, max_connections=4, timeout_s=timeout) as http:
         client = ChatClient(url, http=http, model=model, timeout_s=timeout, extra_body=extra,
                             headers={"x-test": "1"}, record_headers=("X-Request-Id", "x-none"))
         record = RequestRecord(request_id="req-1", session_id="s-1", max_tokens=max_tokens)
@@ -28,9 +37,10 @@ def test_base_url_with_or_without_v1():
         assert normalize_base_url(url) == "http://h:1"
 
 
-async def test_chunk_timings_usage_and_text(standin):
+async def test_chunk_timings_usage_and_text(standin, kind):
     fired = []
-    record, text = await stream(standin + "/v1", max_tokens=8, hook=lambda: fired.append(1))
+    record, text = await stream(standin + "/v1", max_tokens=8, hook=lambda: fired.append(1),
+                                kind=kind)
     assert record.ok and record.done and record.status == 200
     assert record.completion_tokens == 8 and record.tokens_from_usage
     assert record.prompt_tokens > 0
@@ -51,8 +61,8 @@ async def test_chunk_timings_usage_and_text(standin):
     assert record.headers == {"x-request-id": "req-1"}  # asked-for response headers kept
 
 
-async def test_request_carries_stream_options_and_headers(standin):
-    await stream(standin, extra={"temperature": 0})
+async def test_request_carries_stream_options_and_headers(standin, kind):
+    await stream(standin, extra={"temperature": 0}, kind=kind)
     last = httpx.get(f"{standin}/_standin/stats").json()["last_request"]
     body = last["body"] if isinstance(last["body"], dict) else json.loads(last["body"])
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
@@ -62,40 +72,42 @@ async def test_request_carries_stream_options_and_headers(standin):
     assert headers["x-test"] == "1"
 
 
-async def test_http_error_status_with_message(standin):
+async def test_http_error_status_with_message(standin, kind):
     httpx.post(f"{standin}/_standin/faults", json={"status": 503})
-    record, _ = await stream(standin)
+    record, _ = await stream(standin, kind=kind)
     assert record.error_kind == "http" and record.status == 503
     assert "HTTP 503" in record.error and "stand-in fault" in record.error
 
 
-async def test_unknown_model_is_an_http_error(standin):
-    record, _ = await stream(standin, model="nope")
+async def test_unknown_model_is_an_http_error(standin, kind):
+    record, _ = await stream(standin, model="nope", kind=kind)
     assert record.error_kind == "http" and record.status in (400, 404)
 
 
-async def test_connection_cut_mid_stream_is_truncated(standin):
-    record, text = await stream(standin, extra={"standin": {"die_after_chunks": 3}})
+async def test_connection_cut_mid_stream_is_truncated(standin, kind):
+    record, text = await stream(standin, extra={"standin": {"die_after_chunks": 3}}, kind=kind)
     assert record.error_kind == "truncated"
     assert record.status == 200 and not record.done
     assert record.ttft_s is not None  # the chunks before the cut were timed
 
 
-async def test_timeout_before_first_byte(standin):
+async def test_timeout_before_first_byte(standin, kind):
     started = time.perf_counter()
-    record, _ = await stream(standin, timeout=0.3, extra={"standin": {"first_byte_delay_s": 3}})
+    record, _ = await stream(standin, timeout=0.3, extra={"standin": {"first_byte_delay_s": 3}},
+                             kind=kind)
     assert record.error_kind == "timeout"
     assert time.perf_counter() - started < 2.0
 
 
-async def test_timeout_in_a_stalled_stream(standin):
+async def test_timeout_in_a_stalled_stream(standin, kind):
     record, _ = await stream(standin, timeout=0.4,
-                             extra={"standin": {"stall_after_chunks": 2, "stall_s": 3}})
+                             extra={"standin": {"stall_after_chunks": 2, "stall_s": 3}},
+                             kind=kind)
     assert record.error_kind == "timeout" and record.status == 200
 
 
-async def test_connection_refused():
-    record, _ = await stream(f"http://127.0.0.1:{free_port()}")
+async def test_connection_refused(kind):
+    record, _ = await stream(f"http://127.0.0.1:{free_port()}", kind=kind)
     assert record.error_kind == "connection" and record.status is None
 
 
@@ -130,33 +142,71 @@ def chunk(content=None, role=None):
     return ("data: " + json.dumps({"choices": [{"index": 0, "delta": delta}]}) + "\n\n").encode()
 
 
-def test_error_event_inside_a_200_stream():
+def test_error_event_inside_a_200_stream(kind):
     error = b'data: {"error": {"message": "engine died", "type": "InternalServerError", "code": 500}}\n\n'
     with serve_in_thread(sse_app([chunk("", "assistant"), chunk("hi"), error,
                                   b"data: [DONE]\n\n"])) as url:
-        record, text = asyncio.run(stream(url))
+        record, text = asyncio.run(stream(url, kind=kind))
     assert record.error_kind == "stream_error" and "engine died" in record.error
     assert text == "hi"
 
 
-def test_stream_ending_without_done_is_truncated():
+def test_stream_ending_without_done_is_truncated(kind):
     with serve_in_thread(sse_app([chunk("a"), chunk("b")])) as url:
-        record, _ = asyncio.run(stream(url))
+        record, _ = asyncio.run(stream(url, kind=kind))
     assert record.error_kind == "truncated" and "[DONE]" in record.error
 
 
-def test_ttft_waits_for_text_and_tokens_fall_back_to_chunks():
+def test_ttft_waits_for_text_and_tokens_fall_back_to_chunks(kind):
     # role chunk, an empty token chunk (partial UTF-8 in vLLM), then text; no usage chunk
     with serve_in_thread(sse_app([chunk("", "assistant"), chunk(""), chunk("x"), chunk("y"),
                                   b": keep-alive\n\n", b"data: [DONE]\n\n"])) as url:
-        record, text = asyncio.run(stream(url))
+        record, text = asyncio.run(stream(url, kind=kind))
     assert record.ok and text == "xy"
     assert record.first_chunk_s < record.ttft_s
     assert len(record.chunk_s) == 2  # ITL from the TTFT chunk on
     assert record.completion_tokens == 3 and not record.tokens_from_usage
 
 
-def test_a_stream_without_tokens_is_an_error():
+def test_a_stream_without_tokens_is_an_error(kind):
     with serve_in_thread(sse_app([chunk("", "assistant"), b"data: [DONE]\n\n"])) as url:
-        record, _ = asyncio.run(stream(url))
+        record, _ = asyncio.run(stream(url, kind=kind))
     assert record.error_kind == "no_tokens"
+
+
+async def test_raw_transport_reuses_keep_alive_connections(standin):
+    from loadtest.transport import HTTPClient
+
+    async with HTTPClient(max_connections=2) as http:
+        client = ChatClient(standin, http=http, model="standin", timeout_s=10)
+        for i in range(4):
+            answer = await client.stream(RequestRecord(request_id=f"k{i}", max_tokens=2),
+                                         MESSAGES, origin=time.perf_counter())
+            assert answer.record.ok
+        assert len(http._open) == 1  # one connection, reused
+
+
+def test_raw_transport_replaces_a_connection_the_server_closed_while_idle():
+    """uvicorn closes idle keep-alive connections after 1 s here; the next request still works."""
+    from loadtest.transport import HTTPClient
+
+    async def go(url):
+        async with HTTPClient(max_connections=1) as http:
+            client = ChatClient(url, http=http, model="standin", timeout_s=10)
+            first = await client.stream(RequestRecord(request_id="a", max_tokens=2), MESSAGES,
+                                        origin=time.perf_counter())
+            (idle,) = http._idle[("127.0.0.1", int(url.rsplit(":", 1)[1]))]
+            deadline = time.monotonic() + 30
+            while not idle.closed and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)  # poll until the server has closed it
+            assert idle.closed
+            second = await client.stream(RequestRecord(request_id="b", max_tokens=2), MESSAGES,
+                                         origin=time.perf_counter())
+            return first.record, second.record
+
+    from tests.standin import StandinConfig, build_app
+
+    app = build_app(StandinConfig(ttft_ms=1, itl_ms=1, tokens=2))
+    with serve_in_thread(app, timeout_keep_alive=1) as url:
+        first, second = asyncio.run(go(url))
+    assert first.ok and second.ok

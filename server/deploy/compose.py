@@ -1,7 +1,8 @@
 """`python -m server compose`: the Docker Compose deployment, rendered from a gateway config.
 
-One truth: the engines' command lines come from the profiles through `server.engine.render.engine_argv`
-(the renderer `engine-args` and the supervisor use), so the compose file cannot drift from the
+One truth: the engines are the deployment plan's (server.deploy.plan, which `up` starts too) and
+their command lines come from the profiles through `server.engine.render.engine_argv` (the
+renderer `engine-args` and the supervisor use), so the compose file cannot drift from the
 profiles without `--check` (and the tests) saying so. Next to the compose file this writes the
 gateway's own config (the source config's settings, each model with its profile and the URLs of
 its engine services) and the Prometheus config whose scrape targets are exactly the rendered
@@ -17,19 +18,23 @@ hosts) go to the gateway and Prometheus as they are.
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import os
-import re
 import sys
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from server.gateway.settings import GatewaySettings, SettingsError, load_settings
-from server.engine.profiles import Profile, load_profile
+from server.config import ModelEngines, read_mapping
+from server.deploy.plan import (
+    SERVICE_PORT,
+    DeploymentPlan,
+    PlannedEngine,
+    plan_deployment,
+)
+from server.engine.profiles import Profile
 from server.engine.render import engine_argv
 
 # Images, pinned. The vLLM image tag follows the vLLM release the project is tested with.
@@ -39,7 +44,7 @@ GATEWAY_IMAGE = "llm-serving/gateway:0.1.0"  # built from docker/Dockerfile.gate
 PROMETHEUS_IMAGE = "prom/prometheus:v3.5.0"
 GRAFANA_IMAGE = "grafana/grafana:12.1.1"
 
-ENGINE_PORT = 8000  # inside each engine container
+ENGINE_PORT = SERVICE_PORT  # inside each engine container
 GATEWAY_PORT = 8000
 # The gateway container sees the checkout's configs/ at /app/configs and its rendered config at
 # /app/docker/gateway.yaml, so the profile paths in that config (../configs/profiles/...) resolve
@@ -77,101 +82,19 @@ class ComposeError(ValueError):
     """A gateway config that cannot be turned into a compose deployment, with the reason."""
 
 
-@dataclass(frozen=True)
-class Engine:
-    """One engine container: one replica of one profile."""
+def check_plan(plan: DeploymentPlan, compose_dir: Path) -> None:
+    """Refuse what compose cannot run: no model at all, or a profile the gateway container cannot see.
 
-    service: str
-    model: str  # the served model name the gateway routes by
-    profile: Profile
-    replica: int
-    gpus: tuple[str, ...] = ()  # NVIDIA device ids reserved for it (GPU profiles)
-
-    @property
-    def device(self) -> str:
-        return self.profile.device
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.service}:{ENGINE_PORT}"
-
-
-@dataclass
-class Deployment:
-    """What runs: engine containers, plus engines elsewhere named by URL, per served model."""
-
-    engines: list[Engine] = field(default_factory=list)
-    remote: dict[str, list[str]] = field(default_factory=dict)  # model -> URLs of other hosts
-    # The gateway config's `models`, each with its profile (relative to the compose folder) and
-    # the URLs of all its engines.
-    gateway_models: list[dict[str, Any]] = field(default_factory=list)
-
-    def upstreams(self) -> list[tuple[str, str]]:
-        """(model, URL) for every engine the gateway is to use, in config order."""
-        pairs = [(engine.model, engine.url) for engine in self.engines]
-        for model, urls in self.remote.items():
-            pairs += [(model, url) for url in urls]
-        return pairs
-
-    @property
-    def gpu_count(self) -> int:
-        return sum(len(engine.gpus) for engine in self.engines)
-
-
-def service_name(model: str, replica: int) -> str:
-    """`engine-<model>-<i>`, with the model name cut down to what a DNS label allows."""
-    slug = re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-")
-    return f"engine-{slug}-{replica}"
-
-
-def plan_deployment(settings: GatewaySettings, compose_dir: Path) -> Deployment:
-    """Expand the config's models into engine replicas, giving each GPU replica its own GPUs.
-
-    Docker's `count: N` always hands out the first N GPUs, so two replicas would share GPU 0;
-    explicit `device_ids` in order (replica 0 of the first model gets 0..tp*pp-1, and so on)
-    give each its own. The compose file lives in `<checkout>/docker`, the profiles under
-    `<checkout>/configs` (the folder the gateway container mounts).
+    The compose file lives in `<checkout>/docker`, the profiles under `<checkout>/configs` (the
+    folder the gateway container mounts).
     """
-    deployment = Deployment()
-    next_gpu = 0
-    seen: set[str] = set()
-    configs = (compose_dir.parent / "configs").resolve()  # mounted into the gateway container
-    for entry in settings.models:
-        path = settings.profile_path(entry)
-        remote = [url.rstrip("/") for url in entry.urls]
-        gateway_entry: dict[str, Any] = {"name": entry.name}
-        deployment.gateway_models.append(gateway_entry)
-        if entry.trimming is not None:
-            gateway_entry["trimming"] = entry.trimming.model_dump()
-        if path is None:
-            deployment.remote.setdefault(entry.name or "", []).extend(remote)
-            gateway_entry["urls"] = remote
-            continue
-        if not path.resolve().is_relative_to(configs):
-            raise ComposeError(f"{path}: the gateway container sees {configs} only; "
+    configs = (compose_dir.parent / "configs").resolve()
+    for model in plan.models:
+        if model.profile_path is not None and not model.profile_path.resolve().is_relative_to(configs):
+            raise ComposeError(f"{model.profile_path}: the gateway container sees {configs} only; "
                                "keep the profile under it")
-        profile = load_profile(path)
-        model = entry.name or profile.served_model_name
-        gateway_entry["name"] = model
-        gateway_entry["profile"] = f"../configs/{path.resolve().relative_to(configs).as_posix()}"
-        if remote:
-            deployment.remote.setdefault(model, []).extend(remote)
-        first = len(deployment.engines)
-        for replica in range(profile.replicas):
-            name = service_name(model, replica)
-            if name in seen:
-                raise ComposeError(f"two models render to the service name {name!r}; rename one")
-            seen.add(name)
-            gpus: tuple[str, ...] = ()
-            if profile.device == "gpu":
-                width = profile.tensor_parallel_size * profile.pipeline_parallel_size
-                gpus = tuple(str(i) for i in range(next_gpu, next_gpu + width))
-                next_gpu += width
-            deployment.engines.append(Engine(name, model, profile, replica, gpus))
-        gateway_entry["urls"] = [e.url for e in deployment.engines[first:]] + remote
-    if not deployment.upstreams():
+    if not any(model.urls for model in plan.models):
         raise ComposeError("the config names no model to serve")
-    return deployment
 
 
 def container_model(profile: Profile, compose_dir: Path) -> tuple[str | None, str | None]:
@@ -201,7 +124,7 @@ def _relative(path: Path, start: Path) -> str:
     return rel if rel.startswith(".") else f"./{rel}"
 
 
-def engine_command(engine: Engine, compose_dir: Path) -> list[str]:
+def engine_command(engine: PlannedEngine, compose_dir: Path) -> list[str]:
     """The container's arguments after the image's entrypoint: the one renderer's output."""
     model, _ = container_model(engine.profile, compose_dir)
     return engine_argv(engine.profile, host="0.0.0.0", port=ENGINE_PORT, launcher="image",
@@ -214,19 +137,27 @@ def gateway_command() -> list[str]:
             "--host", "0.0.0.0", "--port", str(GATEWAY_PORT)]
 
 
-def render_gateway_config(settings: GatewaySettings, deployment: Deployment) -> dict[str, Any]:
+def render_gateway_config(plan: DeploymentPlan, config: Path, compose_dir: Path) -> dict[str, Any]:
     """The gateway's config inside compose: the operator's settings, the engines by URL.
 
     Every key the operator wrote is kept as written (timeouts, routing, auth...); `models`
     keeps each profile, for trimming and planned capacity, with `urls` naming its engine services.
     """
-    source = yaml.safe_load(settings.source.read_text()) if settings.source else {}
-    config: dict[str, Any] = {"host": "0.0.0.0", "port": GATEWAY_PORT,
-                              "models": deployment.gateway_models}
-    for key, value in (source or {}).items():
-        if key not in config:
-            config[key] = value
-    return config
+    configs = (compose_dir.parent / "configs").resolve()  # mounted into the gateway container
+    models: list[dict[str, Any]] = []
+    for model in plan.models:
+        entry: dict[str, Any] = {"name": model.name}
+        if model.entry.trimming is not None:
+            entry["trimming"] = model.entry.trimming.model_dump()
+        if model.profile_path is not None:
+            entry["profile"] = f"../configs/{model.profile_path.resolve().relative_to(configs).as_posix()}"
+        entry["urls"] = model.urls
+        models.append(entry)
+    rendered: dict[str, Any] = {"host": "0.0.0.0", "port": GATEWAY_PORT, "models": models}
+    for key, value in read_mapping(config).items():
+        if key not in rendered:
+            rendered[key] = value
+    return rendered
 
 
 def _healthcheck(port: int, start_period: str) -> dict[str, Any]:
@@ -240,7 +171,7 @@ def _healthcheck(port: int, start_period: str) -> dict[str, Any]:
     }
 
 
-def engine_service(engine: Engine, compose_dir: Path) -> dict[str, Any]:
+def engine_service(engine: PlannedEngine, compose_dir: Path) -> dict[str, Any]:
     profile = engine.profile
     environment: dict[str, str] = {"HF_TOKEN": "${HF_TOKEN:-}", "HF_HOME": HF_HOME}
     environment.update(profile.env)
@@ -249,7 +180,7 @@ def engine_service(engine: Engine, compose_dir: Path) -> dict[str, Any]:
     if mount:
         volumes.append(mount)
     service: dict[str, Any] = {}
-    if engine.device == "gpu":
+    if profile.device == "gpu":
         service["image"] = VLLM_GPU_IMAGE
     else:
         service["image"] = VLLM_CPU_IMAGE
@@ -260,15 +191,15 @@ def engine_service(engine: Engine, compose_dir: Path) -> dict[str, Any]:
     # PyTorch's workers share tensors through /dev/shm; Docker's 64 MB default is far too small.
     service["ipc"] = "host"
     service["restart"] = "unless-stopped"
-    service["healthcheck"] = _healthcheck(ENGINE_PORT, START_PERIOD[engine.device])
+    service["healthcheck"] = _healthcheck(ENGINE_PORT, START_PERIOD[profile.device])
     if engine.gpus:
         service["deploy"] = {"resources": {"reservations": {"devices": [
-            {"driver": "nvidia", "device_ids": list(engine.gpus), "capabilities": ["gpu"]}
+            {"driver": "nvidia", "device_ids": [str(gpu) for gpu in engine.gpus], "capabilities": ["gpu"]}
         ]}}}
     return service
 
 
-def gateway_service(deployment: Deployment, gateway_file: str) -> dict[str, Any]:
+def gateway_service(plan: DeploymentPlan, gateway_file: str) -> dict[str, Any]:
     service: dict[str, Any] = {
         "image": GATEWAY_IMAGE,
         "build": {"context": "..", "dockerfile": "docker/Dockerfile.gateway"},
@@ -282,9 +213,9 @@ def gateway_service(deployment: Deployment, gateway_file: str) -> dict[str, Any]
         "ports": [f"{GATEWAY_PORT}:{GATEWAY_PORT}"],
         "restart": "unless-stopped",
     }
-    if deployment.engines:
+    if plan.engines:
         service["depends_on"] = {
-            engine.service: {"condition": "service_healthy"} for engine in deployment.engines
+            engine.service: {"condition": "service_healthy"} for engine in plan.engines
         }
     return service
 
@@ -329,13 +260,13 @@ def grafana_service() -> dict[str, Any]:
     }
 
 
-def render_compose(deployment: Deployment, *, project: str, compose_dir: Path,
+def render_compose(plan: DeploymentPlan, *, project: str, compose_dir: Path,
                    prometheus_file: str, gateway_file: str) -> dict[str, Any]:
     """The compose file as a mapping (services in start order: engines, gateway, monitoring)."""
     services: dict[str, Any] = {}
-    for engine in deployment.engines:
+    for engine in plan.engines:
         services[engine.service] = engine_service(engine, compose_dir)
-    services["gateway"] = gateway_service(deployment, gateway_file)
+    services["gateway"] = gateway_service(plan, gateway_file)
     services["prometheus"] = prometheus_service(prometheus_file)
     services["grafana"] = grafana_service()
     return {
@@ -345,10 +276,12 @@ def render_compose(deployment: Deployment, *, project: str, compose_dir: Path,
     }
 
 
-def render_prometheus(deployment: Deployment) -> dict[str, Any]:
+def render_prometheus(plan: DeploymentPlan) -> dict[str, Any]:
     """Prometheus config: the gateway, and every engine (containers and remote URLs) by model."""
+    upstreams = [(engine.model, engine.url) for engine in plan.engines]
+    upstreams += [(model.name, url) for model in plan.models for url in model.remote]
     by_model: dict[str, list[str]] = {}
-    for model, url in deployment.upstreams():
+    for model, url in upstreams:
         by_model.setdefault(model, []).append(_host_port(url))
     return {
         "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": SCRAPE_INTERVAL},
@@ -380,27 +313,24 @@ def companions(output: Path) -> tuple[Path, Path]:
     return output.with_name(f"gateway{variant}.yaml"), output.with_name(f"prometheus{variant}.yml")
 
 
-def render_files(config: Path, output: Path) -> dict[Path, str]:
-    """Every file this command owns for one config, with its text."""
-    try:
-        settings = load_settings(config)
-    except SettingsError as exc:
-        raise ComposeError(str(exc)) from None
+def render_files(models: Sequence[ModelEngines], *, config: Path, output: Path) -> dict[Path, str]:
+    """Every file this command owns for the `models` of the config file `config`, with its text."""
     compose_dir = output.resolve().parent
-    deployment = plan_deployment(settings, compose_dir)
+    plan = plan_deployment(models, config=config, placement="services")
+    check_plan(plan, compose_dir)
     gateway_path, prometheus_path = companions(output)
     variant = output.stem.removeprefix("compose")
     project = "llm-serving" + variant.replace(".", "-")
     make = "make compose" + ("-" + variant.lstrip(".") if variant else "")
     header = HEADER.format(config=_display_path(config), make=make)
-    if deployment.gpu_count:
-        header += f"# NVIDIA GPUs needed on this host: {deployment.gpu_count}.\n"
-    compose = render_compose(deployment, project=project, compose_dir=compose_dir,
+    if plan.gpu_count:
+        header += f"# NVIDIA GPUs needed on this host: {plan.gpu_count}.\n"
+    compose = render_compose(plan, project=project, compose_dir=compose_dir,
                              prometheus_file=prometheus_path.name, gateway_file=gateway_path.name)
     return {
         output: header + _dump(compose),
-        gateway_path: header + _dump(render_gateway_config(settings, deployment)),
-        prometheus_path: header + _dump(render_prometheus(deployment)),
+        gateway_path: header + _dump(render_gateway_config(plan, config, compose_dir)),
+        prometheus_path: header + _dump(render_prometheus(plan)),
     }
 
 
@@ -417,18 +347,18 @@ def _dump(data: dict[str, Any]) -> str:
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=100)
 
 
-def main(args: argparse.Namespace) -> int:
-    config = Path(args.config)
-    output = Path(args.output) if args.output else Path("docker/compose.yaml")
+def compose(models: Sequence[ModelEngines], *, config: Path, output: Path | None, check: bool) -> int:
+    """`python -m server compose`: print, write (`output`) or `check` the rendered files."""
+    target = output or Path("docker/compose.yaml")
     try:
-        files = render_files(config, output)
+        files = render_files(models, config=config, output=target)
     except ComposeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.check:
+    if check:
         return _check(files)
-    if not args.output:
-        sys.stdout.write(files[output])
+    if output is None:
+        sys.stdout.write(files[target])
         return 0
     for path, text in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)

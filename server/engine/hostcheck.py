@@ -7,7 +7,6 @@ second, at `python -m server check` and before every launch.
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import shutil
@@ -134,8 +133,9 @@ def refuse_message(profile: Profile, problems: list[str]) -> str:
     return f"profile {profile.name} cannot run on this host:\n" + "\n".join(f"  - {p}" for p in problems)
 
 
-def main(args: argparse.Namespace) -> int:
-    profile = load_profile(resolve_profile_path(args.profile))
+def check_command(profile_name: str) -> int:
+    """`python -m server check`: OK (exit 0), or the reasons a profile cannot run here (exit 1)."""
+    profile = load_profile(resolve_profile_path(profile_name))
     problems = check_profile(profile)
     if problems:
         print(refuse_message(profile, problems), file=sys.stderr)

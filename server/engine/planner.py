@@ -11,7 +11,6 @@ ties them to a profile and the memory it gets.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
@@ -310,13 +309,14 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def main(args: argparse.Namespace) -> int:
-    profile = load_profile(resolve_profile_path(args.profile))
+def report(profile_name: str, *, device_memory: str | None = None, as_json: bool = False) -> int:
+    """`python -m server plan`: print a profile's KV-cache plan (exit 2 when it cannot be made)."""
+    profile = load_profile(resolve_profile_path(profile_name))
     try:
-        device_memory = parse_size(args.device_memory) if args.device_memory else None
-        plan = plan_profile(profile, device_memory)
+        memory = parse_size(device_memory) if device_memory else None
+        plan = plan_profile(profile, memory)
     except PlanError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    print(json.dumps(plan.to_dict(), indent=2) if as_json else format_plan(plan))
     return 0

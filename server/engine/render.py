@@ -121,3 +121,15 @@ def render_shell(argv: list[str], env: dict[str, str] | None = None) -> str:
 
 def render_yaml(config: dict[str, Any]) -> str:
     return yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
+
+
+def command_text(profile: Profile, *, format: Literal["shell", "argv", "yaml"] = "shell",
+                 host: str = "127.0.0.1", port: int = 8000, launcher: Launcher = "module") -> str:
+    """What `python -m server engine-args` prints: a pasteable command with its environment
+    (shell), one argument a line (argv), or a file for `vllm serve --config` (yaml)."""
+    if format == "yaml":
+        return render_yaml(engine_config(profile, host=host, port=port))
+    argv = engine_argv(profile, host=host, port=port, launcher=launcher)
+    if format == "argv":
+        return "\n".join(argv) + "\n"
+    return render_shell(argv, profile.env) + "\n"

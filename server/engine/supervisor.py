@@ -4,12 +4,11 @@ The supervisor starts the engine in its own process group (vLLM forks an engine-
 and more), streams its log with a `[engine NAME]` prefix, waits for `/health`, reports how long
 start-up took, restarts a crashed engine with exponential backoff, and on stop terminates the
 whole process tree: SIGTERM to the group, SIGKILL to whatever is left after the grace period.
-The `engine` command and the gateway's `up` command both use it.
+The `engine` command and `up` (server.deploy.local) both use it.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import ctypes
@@ -268,13 +267,14 @@ async def run_engine(profile: Profile, host: str, port: int, max_restarts: int, 
     return code
 
 
-def main(args: argparse.Namespace) -> int:
+def run_command(profile_name: str, *, host: str, port: int, max_restarts: int, ready_timeout: float) -> int:
+    """`python -m server engine`: run one engine until SIGINT/SIGTERM (exit 1 if it cannot start)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
                         stream=sys.stderr)
-    profile = load_profile(resolve_profile_path(args.profile))
+    profile = load_profile(resolve_profile_path(profile_name))
     try:
         prepare(profile)
     except EngineStartError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    return asyncio.run(run_engine(profile, args.host, args.port, args.max_restarts, args.ready_timeout))
+    return asyncio.run(run_engine(profile, host, port, max_restarts, ready_timeout))

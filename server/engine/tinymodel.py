@@ -8,7 +8,6 @@ cache, scheduler, metrics) is the real thing.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -123,9 +122,10 @@ def build_tiny_model(directory: str | Path, *, force: bool = False, log=print) -
     return directory
 
 
-def main(args: argparse.Namespace) -> int:
+def build_command(directory: Path, *, force: bool = False) -> int:
+    """`python -m server tiny-model`: build it (exit 1 without torch and transformers)."""
     try:
-        build_tiny_model(args.directory, force=args.force,
+        build_tiny_model(directory, force=force,
                          log=lambda msg: print(f"[tiny-model] {msg}", file=sys.stderr))
     except ImportError as exc:
         print(f"tiny-model: needs torch and transformers ({exc}); run `make install`",

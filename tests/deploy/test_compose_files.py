@@ -35,7 +35,7 @@ def run_compose(compose_file: Path, *args: str, env: dict[str, str] | None = Non
     clean = {k: v for k, v in os.environ.items()
              if not k.startswith(("GRAFANA_", "HF_", "GATEWAY_", "COMPOSE_"))}
     return subprocess.run([str(docker_compose_binary()), "-f", str(compose_file), *args],
-                          capture_output=True, text=True, timeout=60, env={**clean, **(env or {})})
+                          check=False, capture_output=True, text=True, timeout=60, env={**clean, **(env or {})})
 
 
 def normalized(compose_file: Path) -> dict:
@@ -112,7 +112,7 @@ def test_promtool_accepts_the_prometheus_config(variant, tmp_path):
     copy = tmp_path / "prometheus.yml"
     copy.write_text(yaml.safe_dump(data))
     result = subprocess.run([promtool(), "check", "config", str(copy)],
-                            capture_output=True, text=True, timeout=60)
+                            check=False, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout + result.stderr
 
@@ -122,7 +122,7 @@ def test_promtool_check_can_fail(tmp_path):
     copy = tmp_path / "prometheus.yml"
     copy.write_text("scrape_configs:\n  - job_name: x\n    scrape_interval: often\n")
     result = subprocess.run([promtool(), "check", "config", str(copy)],
-                            capture_output=True, text=True, timeout=60)
+                            check=False, capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
 
 

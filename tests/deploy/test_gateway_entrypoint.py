@@ -8,7 +8,6 @@ on /v1/models, and it must need nothing outside the gateway image's pinned requi
 
 from __future__ import annotations
 
-import importlib.metadata as metadata
 import json
 import os
 import re
@@ -17,6 +16,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from importlib import metadata
 from pathlib import Path
 
 import httpx

@@ -7,7 +7,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from server.gateway.app import create_app
-from server.gateway.settings import GatewaySettings, ModelEngines
+from server.config import ServedModel
+from server.gateway.settings import GatewaySettings
 from tests.support import serve_in_thread
 
 pytestmark = pytest.mark.engine
@@ -18,9 +19,9 @@ NO_EOS = {"ignore_eos": True}  # the tiny model's random weights may pick the en
 
 @pytest.fixture(scope="module")
 def gateway_url(real_engine):
-    settings = GatewaySettings(models=[ModelEngines(name=real_engine.model, urls=[real_engine.url])],
-                               auth={"api_keys_env": "TEST_REAL_ENGINE_GATEWAY_KEYS"})
-    app = create_app(settings, registry=CollectorRegistry(), profiles={real_engine.model: real_engine.profile},
+    settings = GatewaySettings(auth={"api_keys_env": "TEST_REAL_ENGINE_GATEWAY_KEYS"})
+    models = [ServedModel(real_engine.model, [real_engine.url], real_engine.profile)]
+    app = create_app(settings, models, registry=CollectorRegistry(),
                      environ={"TEST_REAL_ENGINE_GATEWAY_KEYS": "sk-test"})
     with serve_in_thread(app) as url:
         yield url

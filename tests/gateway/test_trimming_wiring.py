@@ -52,12 +52,13 @@ async def test_tool_definitions_are_sent_to_the_engines_tokenizer(engines):
     its tokenize call carries them (and the middleware knows it may pass them)."""
     from server.gateway.trimming.middleware import _accepts_tools
     from server.gateway.trimming.target import EngineTrimTarget
-    from server.gateway.engines.pool import build_upstreams
+    from server.deploy.plan import plan_deployment
+    from server.gateway.engines.pool import EnginePool
 
     (engine,) = engines(1, max_model_len=200)
     settings = fast_settings({"standin": [engine.url]})
     assert _accepts_tools(EngineTrimTarget)
-    upstreams = build_upstreams(settings.resolve_models({}))
+    upstreams = EnginePool.from_models(plan_deployment(settings.models).served_models())
     tools = [{"type": "function", "function": {"name": "search_places", "parameters": {"type": "object"}}}]
     messages = [{"role": "user", "content": "find museums"}]
     async with httpx.AsyncClient() as client:

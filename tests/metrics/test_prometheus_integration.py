@@ -12,7 +12,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from server.gateway.app import create_app
-from server.gateway.settings import GatewaySettings, ModelEngines
+from server.config import ServedModel
+from server.gateway.settings import GatewaySettings
 from tests.metrics.prometheus_server import run_prometheus
 from tests.metrics.test_dashboards_and_alerts import ALERTS, alert_exprs, dashboard_queries
 from tests.support import serve_in_thread
@@ -45,12 +46,10 @@ def total(result: list[dict]) -> float:
 
 def test_every_dashboard_query_and_alert_expression_returns_data(real_engine):
     model = real_engine.model
-    settings = GatewaySettings(
-        # The profile's plan gives gateway_engine_kv_cache_planned_tokens; the URL is the engine.
-        models=[ModelEngines(name=model, profile="real-engine", urls=[real_engine.url])],
-        metrics_scrape_interval=0.5,
-    )
-    app = create_app(settings, registry=CollectorRegistry(), profiles={model: real_engine.profile})
+    settings = GatewaySettings(metrics_scrape_interval=0.5)
+    # The profile's plan gives gateway_engine_kv_cache_planned_tokens; the URL is the engine.
+    models = [ServedModel(model, [real_engine.url], real_engine.profile)]
+    app = create_app(settings, models, registry=CollectorRegistry())
     with serve_in_thread(app) as gateway, run_prometheus(gateway, rule_files=[ALERTS]) as prom:
         client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0, timeout=60)
 

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from server.deploy.plan import plan_deployment
 from server.gateway.app import create_app
 from server.gateway.settings import GatewaySettings, ModelEngines
 from server.engine.profiles import TrimmingConfig
@@ -54,7 +55,7 @@ def test_a_growing_conversation_gets_200_through_the_gateway_where_the_engine_sa
     )])
     over_limit_turns = 0
     with (
-        serve_in_thread(create_app(settings, log_request=None)) as url,
+        serve_in_thread(create_app(settings, plan_deployment(settings.models).served_models(), log_request=None)) as url,
         openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as gateway,
         openai.OpenAI(base_url=f"{real_engine.url}/v1", api_key="unused", max_retries=0, timeout=60) as direct,
     ):
@@ -116,7 +117,7 @@ def test_streaming_is_trimmed_and_a_strict_request_is_refused_with_both_numbers(
         name=real_engine.model, urls=[real_engine.url], trimming=TrimmingConfig(mode="auto"),
     )])
     with (
-        serve_in_thread(create_app(settings, log_request=None)) as url,
+        serve_in_thread(create_app(settings, plan_deployment(settings.models).served_models(), log_request=None)) as url,
         openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as gateway,
     ):
         with gateway.chat.completions.with_streaming_response.create(

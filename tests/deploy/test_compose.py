@@ -9,13 +9,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server.deploy import compose
 from server.cli import main as cli_main
-from server.gateway.settings import load_settings
+from server.config import SettingsError, profile_path
+from server.deploy import compose
+from server.deploy.plan import plan_deployment
 from server.engine.profiles import load_profile
 from server.engine.render import engine_argv
+from server.gateway.settings import load_settings
 
 from .conftest import DOCKER, ROOT, VARIANTS
+
+
+def render(config: Path, output: Path) -> dict[Path, str]:
+    return compose.render_files(load_settings(config).models, config=config, output=output)
 
 
 def tiny_model_built_in_cpu_image() -> str:
@@ -44,7 +50,7 @@ def test_engine_commands_equal_the_renderer_for_every_profile_and_replica(varian
     settings = load_settings(variant.config)
     expected_services = set()
     for entry in settings.models:
-        profile = load_profile(settings.profile_path(entry))
+        profile = load_profile(profile_path(entry, variant.config))
         model = entry.name or profile.served_model_name
         argv = engine_argv(profile, host="0.0.0.0", port=8000, launcher="image",
                            model=expected_model_argument(profile))
@@ -64,10 +70,10 @@ def test_the_cpu_image_defaults_are_the_tiny_cpu_profile():
     """`docker run llm-serving/vllm-cpu` without arguments runs what the profile says."""
     text = (DOCKER / "Dockerfile.vllm-cpu").read_text()
     profile = load_profile(ROOT / "configs/profiles/tiny-cpu.yaml")
-    cmd = yaml.safe_load(re.search(r"^CMD (\[.*\])$", text, re.M).group(1))
+    cmd = yaml.safe_load(re.search(r"^CMD (\[.*\])$", text, re.MULTILINE).group(1))
     assert cmd == engine_argv(profile, host="0.0.0.0", port=8000, launcher="image",
                               model=tiny_model_built_in_cpu_image())
-    entrypoint = yaml.safe_load(re.search(r"^ENTRYPOINT (\[.*\])$", text, re.M).group(1))
+    entrypoint = yaml.safe_load(re.search(r"^ENTRYPOINT (\[.*\])$", text, re.MULTILINE).group(1))
     # With the model flag last, the arguments after the entrypoint are launcher="image"'s.
     assert entrypoint == ["python", "-m", "vllm.entrypoints.openai.api_server", "--model"]
     env = dict(re.findall(r"(VLLM_[A-Z_]+)=(\S+)", text))
@@ -99,7 +105,7 @@ def test_engine_services_are_wired_for_a_real_host(variant):
     services = variant.compose_data()["services"]
     engines = {name: s for name, s in services.items() if name.startswith("engine-")}
     assert engines
-    for name, service in engines.items():
+    for service in engines.values():
         assert service["environment"]["HF_TOKEN"] == "${HF_TOKEN:-}"  # passed through from the host
         cache = service["environment"]["HF_HOME"]
         assert f"${{HF_CACHE_DIR:-hf-cache}}:{cache}" in service["volumes"]
@@ -150,14 +156,13 @@ def test_replicas_get_consecutive_gpus_and_remote_engines_join(tmp_path):
         "  - name: far\n    urls: [http://10.0.0.7:8000/]\n",
         a=GPU_PROFILE.format(n=1, name="A.1", replicas=2, tp=2),
         b=GPU_PROFILE.format(n=2, name="b", replicas=1, tp=1))
-    deployment = compose.plan_deployment(load_settings(config), tmp_path / "docker")
-    assert [(e.service, e.gpus) for e in deployment.engines] == [
-        ("engine-a-1-0", ("0", "1")), ("engine-a-1-1", ("2", "3")), ("engine-b-0", ("4",))]
-    assert deployment.gpu_count == 5
-    assert deployment.upstreams()[-1] == ("far", "http://10.0.0.7:8000")
     output = tmp_path / "docker/compose.yaml"
-    files = compose.render_files(config, output)
+    files = render(config, output)
     assert "# NVIDIA GPUs needed on this host: 5." in files[output]
+    services = yaml.safe_load(files[output])["services"]
+    assert {name: service["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+            for name, service in services.items() if "deploy" in service} == {
+        "engine-a-1-0": ["0", "1"], "engine-a-1-1": ["2", "3"], "engine-b-0": ["4"]}
     gateway = yaml.safe_load(files[tmp_path / "docker/gateway.yaml"])
     assert gateway["routing"] == {"policy": "round_robin"}  # the operator's settings are kept
     assert gateway["models"] == [
@@ -175,8 +180,8 @@ def test_two_models_with_one_service_name_are_refused(tmp_path):
     config = write_config(tmp_path, "  - profile: profiles/a.yaml\n  - profile: profiles/b.yaml\n",
                           a=GPU_PROFILE.format(n=1, name="m.1", replicas=1, tp=1),
                           b=GPU_PROFILE.format(n=2, name="m-1", replicas=1, tp=1))
-    with pytest.raises(compose.ComposeError, match="engine-m-1-0"):
-        compose.plan_deployment(load_settings(config), tmp_path / "docker")
+    with pytest.raises(SettingsError, match="engine-m-1-0"):
+        render(config, tmp_path / "docker/compose.yaml")
 
 
 def test_a_profile_the_gateway_container_cannot_see_is_refused(tmp_path):
@@ -184,7 +189,7 @@ def test_a_profile_the_gateway_container_cannot_see_is_refused(tmp_path):
     (tmp_path / "elsewhere/p.yaml").write_text(GPU_PROFILE.format(n=1, name="p", replicas=1, tp=1))
     config = write_config(tmp_path, "  - profile: ../elsewhere/p.yaml\n")
     with pytest.raises(compose.ComposeError, match="sees"):
-        compose.render_files(config, tmp_path / "docker/compose.yaml")
+        render(config, tmp_path / "docker/compose.yaml")
 
 
 def test_the_tiny_model_is_refused_on_a_gpu_engine(tmp_path):
@@ -192,14 +197,14 @@ def test_the_tiny_model_is_refused_on_a_gpu_engine(tmp_path):
     config = write_config(tmp_path, "  - profile: profiles/tiny.yaml\n",
                           tiny=text.replace("../../.cache", str(ROOT / ".cache")))
     with pytest.raises(compose.ComposeError, match="CPU engine image"):
-        compose.render_files(config, tmp_path / "docker/compose.yaml")
+        render(config, tmp_path / "docker/compose.yaml")
 
 
 def test_other_local_models_are_mounted_read_only_by_a_relative_path(tmp_path):
     (tmp_path / "weights/my-model").mkdir(parents=True)
     config = write_config(tmp_path, "  - profile: profiles/p.yaml\n",
                           p="model: ../../weights/my-model\nserved_model_name: mine\ndevice: gpu\n")
-    files = compose.render_files(config, tmp_path / "docker/compose.yaml")
+    files = render(config, tmp_path / "docker/compose.yaml")
     service = yaml.safe_load(files[tmp_path / "docker/compose.yaml"])["services"]["engine-mine-0"]
     assert service["command"][0] == "/models/my-model"
     assert "../weights/my-model:/models/my-model:ro" in service["volumes"]
@@ -209,7 +214,7 @@ def copy_variant(variant, tmp_path: Path) -> Path:
     """The variant's committed files in <tmp>/docker, with <tmp>/configs the checkout's configs."""
     (tmp_path / "docker").mkdir()
     (tmp_path / "configs").symlink_to(ROOT / "configs")
-    for path in compose.render_files(variant.config, variant.compose):
+    for path in render(variant.config, variant.compose):
         shutil.copy(path, tmp_path / "docker" / path.name)
     return tmp_path / "docker" / variant.compose.name
 
@@ -223,7 +228,7 @@ def test_check_reports_drift_and_exit_1(tmp_path, capsys):
     capsys.readouterr()
     assert cli_main(argv) == 1
     err = capsys.readouterr().err
-    assert re.search(r"^-\s+- '4096'$", err, re.M) and re.search(r"^\+\s+- '2048'$", err, re.M)
+    assert re.search(r"^-\s+- '4096'$", err, re.MULTILINE) and re.search(r"^\+\s+- '2048'$", err, re.MULTILINE)
     assert "make compose" in err
     output.write_text(variant.compose.read_text())
     (tmp_path / "docker/gateway.cpu.yaml").unlink()  # the companion files are checked too
@@ -235,7 +240,7 @@ def test_output_writes_all_three_files(tmp_path):
     (tmp_path / "configs").symlink_to(ROOT / "configs")
     output = tmp_path / "docker/compose.yaml"
     assert cli_main(["compose", "--config", str(variant.config), "--output", str(output)]) == 0
-    for path in compose.render_files(variant.config, variant.compose):
+    for path in render(variant.config, variant.compose):
         assert (tmp_path / "docker" / path.name).read_text() == path.read_text()
 
 
@@ -244,8 +249,10 @@ def test_the_rendered_gateway_config_loads_with_its_profiles(variant):
     source = load_settings(variant.config)
     assert settings.timeouts == source.timeouts and settings.routing == source.routing
     assert (settings.host, settings.port) == ("0.0.0.0", 8000)
-    profiles = settings.load_profiles()
-    assert profiles.keys() == source.load_profiles().keys()
-    for model in settings.models:
+    rendered = plan_deployment(settings.models, config=variant.gateway).models
+    planned = plan_deployment(source.models, config=variant.config).models
+    assert [m.name for m in rendered] == [m.name for m in planned]
+    for model, expected in zip(rendered, planned):
         assert model.urls and all(url.startswith("http://engine-") for url in model.urls)
-        assert profiles[model.name].source == source.load_profiles()[model.name].source
+        assert model.profile is not None and expected.profile is not None
+        assert model.profile.source == expected.profile.source

@@ -1,0 +1,96 @@
+"""The `models` of a config file, and the served models a launcher hands the gateway.
+
+A config file (configs/gateway.yaml) holds the gateway's own settings (server.gateway.settings)
+and `models`: what is served, each model either from a profile (engines this project starts) or
+from URLs of engines that already run. The launchers (server.deploy) read `models` into a
+deployment plan; the gateway is handed the result as `ServedModel`s and never reads profiles'
+ports itself. This module is shared by both sides and imports neither.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from server.engine.profiles import Profile, TrimmingConfig
+
+
+class SettingsError(ValueError):
+    """A config that cannot be used, with where and why."""
+
+
+class ModelEngines(BaseModel):
+    """One `models:` entry. Give `profile` (engines started from it), or `urls` of running engines."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = None  # the served model name; from the profile when absent
+    profile: str | None = None  # path relative to the config file
+    urls: list[str] = Field(default_factory=list)  # where its engines run (none are started then)
+    base_port: int | None = Field(default=None, ge=1, le=65535)  # first engine port for `up`
+    trimming: TrimmingConfig | None = None  # overrides the profile's
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelEngines:
+        if not self.profile and not self.urls:
+            raise ValueError("give `profile` or `urls`")
+        if not self.profile and not self.name:
+            raise ValueError("a model named by `urls` needs `name`")
+        return self
+
+
+@dataclass
+class ServedModel:
+    """One model as the gateway serves it: its name, its engines' URLs, and what its profile says."""
+
+    name: str
+    urls: list[str]
+    profile: Profile | None = None  # for max_model_len and the planned KV capacity
+    trimming: TrimmingConfig = field(default_factory=lambda: TrimmingConfig(mode="off"))
+
+
+def profile_path(entry: ModelEngines, config: Path | None) -> Path | None:
+    """The entry's profile file; a relative path is relative to the config file."""
+    if entry.profile is None:
+        return None
+    path = Path(entry.profile)
+    if not path.is_absolute() and config is not None:
+        path = config.parent / path
+    return path
+
+
+def read_mapping(path: Path) -> dict[str, Any]:
+    """A config file's top-level mapping, or a SettingsError naming the file."""
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise SettingsError(f"{path}: no such gateway config") from None
+    except yaml.YAMLError as exc:
+        raise SettingsError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise SettingsError(f"{path}: expected a mapping, got {type(data).__name__}")
+    return data
+
+
+def describe(path: Path, exc: ValidationError) -> str:
+    """`path: where: what` for every problem pydantic found, in one line."""
+    problems = "; ".join(
+        f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors()
+    )
+    return f"{path}: {problems}"
+
+
+def parse_upstreams(items: Iterable[str]) -> list[ModelEngines]:
+    """`NAME=URL` pairs from the command line; one NAME given twice is two replicas."""
+    by_name: dict[str, list[str]] = {}
+    for item in items:
+        name, sep, url = item.partition("=")
+        if not sep or not name or not url.startswith(("http://", "https://")):
+            raise SettingsError(f"--upstream {item!r}: expected NAME=http://host:port")
+        by_name.setdefault(name, []).append(url.rstrip("/"))
+    return [ModelEngines(name=name, urls=urls) for name, urls in by_name.items()]

@@ -1,0 +1,150 @@
+"""The deployment plan: which engines run, for which model, where, and on which GPUs.
+
+Computed once from a config's `models` and their profiles, and read by everything that deploys:
+`up` starts these engines (server.deploy.local), the compose renderer gives each its own service
+(server.deploy.compose), the Helm values give each model a Deployment (server.deploy.helm). What
+the gateway is handed (`served_models()`) comes from the same plan, so a launcher and the gateway
+in front of it cannot disagree on where an engine listens.
+
+- A profile entry becomes `profile.replicas` engines, numbered per model (a second entry with the
+  same served name continues the numbering). An entry with `urls` names engines that run
+  elsewhere, and none are started for it; its profile still gives trimming and capacity (the
+  gateway config compose renders is such a file). Entries of one served name are one model.
+- Engines listen on this host, one port each (`placement="local"`: `base_port`, `base_port+1`,
+  ...; an entry without `base_port` continues after the previous one, from 8100), or one container
+  or pod each, reached by its service name on port 8000 (`placement="services"`).
+- GPU engines get GPUs of their own, in order: replica 0 of the first model 0..tp*pp-1, the next
+  the following ones (compose pins them; a single-host `up` leaves placement to vLLM).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from server.config import ModelEngines, ServedModel, SettingsError, profile_path
+from server.engine.profiles import Profile, ProfileError, TrimmingConfig, load_profile
+
+Placement = Literal["local", "services"]
+
+LOCAL_HOST = "127.0.0.1"
+FIRST_LOCAL_PORT = 8100
+SERVICE_PORT = 8000  # what an engine listens on inside its container or pod
+
+
+@dataclass(frozen=True)
+class PlannedEngine:
+    """One engine process: one replica of one profile."""
+
+    model: str  # the served model name the gateway routes by
+    replica: int  # 0, 1, ... within its model
+    profile: Profile
+    service: str  # `engine-<model>-<replica>`, a DNS label: its compose service, its log name
+    host: str
+    port: int
+    gpus: tuple[int, ...] = ()  # GPU indices reserved for it (GPU profiles)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class PlannedModel:
+    """One `models:` entry: the engines started for it here, and engines elsewhere by URL."""
+
+    entry: ModelEngines  # as the config wrote it
+    name: str
+    profile: Profile | None
+    profile_path: Path | None
+    trimming: TrimmingConfig
+    engines: tuple[PlannedEngine, ...]
+    remote: tuple[str, ...]  # URLs of engines that run elsewhere
+
+    @property
+    def urls(self) -> list[str]:
+        return [engine.url for engine in self.engines] + list(self.remote)
+
+
+@dataclass(frozen=True)
+class DeploymentPlan:
+    """Every model entry of a config, in config order, with its engines."""
+
+    models: tuple[PlannedModel, ...]
+
+    @property
+    def engines(self) -> list[PlannedEngine]:
+        return [engine for model in self.models for engine in model.engines]
+
+    @property
+    def gpu_count(self) -> int:
+        return sum(len(engine.gpus) for engine in self.engines)
+
+    def served_models(self) -> list[ServedModel]:
+        """What the gateway serves: one per name, entries of one name joined as replicas.
+
+        The first entry of a name gives the profile and the trimming settings.
+        """
+        out: dict[str, ServedModel] = {}
+        for model in self.models:
+            if model.name in out:
+                out[model.name].urls.extend(model.urls)
+            else:
+                out[model.name] = ServedModel(model.name, model.urls, model.profile, model.trimming)
+        return list(out.values())
+
+
+def service_name(model: str, replica: int) -> str:
+    """`engine-<model>-<i>`, with the model name cut down to what a DNS label allows."""
+    return f"engine-{slug(model)}-{replica}"
+
+
+def slug(model: str) -> str:
+    """A model name as a DNS label: lower case, runs of other characters as one `-`."""
+    return re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-")
+
+
+def plan_deployment(models: Sequence[ModelEngines], *, config: Path | None = None,
+                    placement: Placement = "local") -> DeploymentPlan:
+    """The plan for a config's `models` (profile paths relative to the file `config`)."""
+    planned: list[PlannedModel] = []
+    next_port = FIRST_LOCAL_PORT
+    next_gpu = 0
+    replicas_of: dict[str, int] = {}
+    services: set[str] = set()
+    for entry in models:
+        path = profile_path(entry, config)
+        profile = _load(path, config) if path is not None else None
+        name = entry.name or (profile.served_model_name if profile else "")
+        remote = tuple(url.rstrip("/") for url in entry.urls)
+        trimming = entry.trimming or (profile.trimming if profile else TrimmingConfig(mode="off"))
+        engines: list[PlannedEngine] = []
+        if profile is not None and not remote:
+            base = entry.base_port or next_port
+            for i in range(profile.replicas):
+                replica = replicas_of.get(name, 0)
+                replicas_of[name] = replica + 1
+                service = service_name(name, replica)
+                if service in services:
+                    raise SettingsError(f"two models render to the service name {service!r}; rename one")
+                services.add(service)
+                gpus: tuple[int, ...] = ()
+                if profile.device == "gpu":
+                    width = profile.tensor_parallel_size * profile.pipeline_parallel_size
+                    gpus = tuple(range(next_gpu, next_gpu + width))
+                    next_gpu += width
+                host, port = (LOCAL_HOST, base + i) if placement == "local" else (service, SERVICE_PORT)
+                engines.append(PlannedEngine(name, replica, profile, service, host, port, gpus))
+            next_port = base + profile.replicas
+        planned.append(PlannedModel(entry, name, profile, path, trimming, tuple(engines), remote))
+    return DeploymentPlan(tuple(planned))
+
+
+def _load(path: Path, config: Path | None) -> Profile:
+    try:
+        return load_profile(path)
+    except ProfileError as exc:
+        raise SettingsError(f"{config}: {exc}" if config else str(exc)) from None

@@ -21,7 +21,8 @@ def test_tiny_cpu_argv_is_exact():
         "--model", str(profile.model_path),
         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", "8100",
         "--dtype", "bfloat16", "--block-size", "128", "--kv-cache-dtype", "auto",
-        "--enable-prefix-caching", "--max-model-len", "2048", "--gpu-memory-utilization", "0.3",
+        "--enable-prefix-caching", "--enable-prompt-tokens-details", "--max-model-len", "2048",
+        "--gpu-memory-utilization", "0.3",
         "--max-num-seqs", "32", "--tensor-parallel-size", "1", "--enforce-eager",
     ]
 

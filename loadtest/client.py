@@ -13,6 +13,7 @@ the socket's read callback), chosen by measurement (`loadtest.selfcheck`); an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from loadtest.records import RequestRecord
 from loadtest.sse import SSEDecoder, SSEProtocolError
 
 MAX_ERROR_BODY = 64 * 1024
+DRAIN_S = 1.0  # after [DONE], how long the end of the body may take before the connection goes
 
 
 def normalize_base_url(url: str) -> str:
@@ -209,8 +211,10 @@ class ChatClient:
                 now = arrived - sent
                 for event in decoder.feed(raw):
                     if state.apply(event.data, now):
-                        if record.done:
-                            await response.drain()  # keep the connection for the next request
+                        if record.done:  # keep the connection for the next request
+                            with contextlib.suppress(TimeoutError):
+                                async with asyncio.timeout(DRAIN_S):
+                                    await response.drain()
                         return
             for event in decoder.close():
                 if state.apply(event.data, self._clock() - sent):

@@ -15,8 +15,10 @@ Runtime control (JSON):
   an OpenAI error envelope), `die_after_chunks` (close the TCP connection abruptly after that many
   SSE events; non-streaming: after that much generation time, without an answer),
   `first_byte_delay_s` (before the response headers), `stall_after_chunks` + `stall_s` (pause a
-  stream), `tokenize_status`, `kv_cache_usage_perc`, `ttft_ms`, `itl_ms`, `tokens`, and `times`
-  (the faults apply to that many generation requests, then reset themselves).
+  stream), `tokenize_status`, `kv_cache_usage_perc`, `ttft_ms`, `itl_ms`, `tokens`, `hold` (keep
+  each accepted generation request in flight, before its first byte, until `POST /_standin/release`),
+  and `times` (the faults apply to that many generation requests, then reset themselves).
+- `POST /_standin/release` lets every held request go on (its timing starts then) and clears `hold`.
 - A request body may carry `"standin": {...}` with the per-request keys above (`ttft_ms`,
   `itl_ms`, `tokens`, `die_after_chunks`, `first_byte_delay_s`, `stall_after_chunks`, `stall_s`,
   `status`); they win over the faults for that request only.
@@ -31,7 +33,7 @@ Runtime control (JSON):
   `usage.prompt_tokens_details.cached_tokens` (the prompt tokens found in the stand-in's prefix
   cache), as vLLM does with `--enable-prompt-tokens-details`; off by default, like vLLM.
 - `GET /_standin/stats`: `running`, `started`, `finished`, `aborted` (the client left before the
-  response finished; seen at once through `http.disconnect`), `rejected` (answered with an error), `died` (dropped by `die_after_chunks`), `peak_running`,
+  response finished; seen at once through `http.disconnect`), `rejected` (answered with an error), `died` (dropped by `die_after_chunks`), `held` (waiting for a release), `peak_running`,
   `tokenize_calls`, `requests` (per path), `last_request` (`path`, `headers`, `body` of the last
   generation request) and `last_tokenize`. `DELETE /_standin/stats` zeroes them.
 
@@ -81,6 +83,7 @@ FAULT_KEYS = {
     "ttft_ms": float,
     "itl_ms": float,
     "tokens": int,
+    "hold": bool,
     "times": int,
 }
 REQUEST_KEYS = {
@@ -179,6 +182,7 @@ class _Generation:
     stall_after_chunks: int | None
     stall_s: float
     headers: list[tuple[bytes, bytes]]
+    hold: bool = False  # wait for POST /_standin/release before answering
     cached_tokens: int | None = None  # prompt tokens found in the prefix cache (when reported)
 
 
@@ -199,6 +203,7 @@ class Standin:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self._kv_in_use = 0
+        self._release: asyncio.Event | None = None  # what held requests wait for (made on the server's loop)
         self.timings: collections.OrderedDict[str, dict] = collections.OrderedDict()
         self._created = int(time.time())
         self._routes: dict[tuple[str, str], Callable] = {
@@ -213,6 +218,7 @@ class Standin:
             ("DELETE", "/_standin/stats"): self._delete_stats,
             ("GET", "/_standin/faults"): self._get_faults,
             ("POST", "/_standin/faults"): self._set_faults,
+            ("POST", "/_standin/release"): self._release_held,
             ("GET", "/_standin/timings"): self._get_timings,
             ("DELETE", "/_standin/timings"): self._delete_timings,
         }
@@ -225,6 +231,7 @@ class Standin:
         self.aborted = 0
         self.rejected = 0
         self.died = 0
+        self.held = 0
         self.tokenize_calls = 0
         self.requests: collections.Counter[str] = collections.Counter()
         self.last_request: dict | None = None
@@ -239,6 +246,7 @@ class Standin:
             "aborted": self.aborted,
             "rejected": self.rejected,
             "died": self.died,
+            "held": self.held,
             "tokenize_calls": self.tokenize_calls,
             "requests": dict(self.requests),
             "last_request": self.last_request,
@@ -368,6 +376,25 @@ class Standin:
             return
         await _send_json(send, 200, self.faults)
 
+    async def _release_held(self, scope, receive, send) -> None:
+        await _read_body(receive)
+        released = self.held
+        self.faults = {key: value for key, value in self.faults.items() if key != "hold"}
+        if self._release is not None:
+            self._release.set()
+            self._release = None
+        await _send_json(send, 200, {"released": released})
+
+    async def _hold(self) -> None:
+        if self._release is None:
+            self._release = asyncio.Event()
+        release = self._release
+        self.held += 1
+        try:
+            await release.wait()
+        finally:
+            self.held -= 1
+
     async def _tokenize(self, scope, receive, send) -> None:
         self.tokenize_calls += 1
         try:
@@ -476,7 +503,7 @@ class Standin:
             die_after_chunks=knobs.get("die_after_chunks"),
             first_byte_delay_s=float(knobs.get("first_byte_delay_s", 0.0)),
             stall_after_chunks=knobs.get("stall_after_chunks"), stall_s=float(knobs.get("stall_s", 0.0)),
-            headers=headers,
+            headers=headers, hold=bool(knobs.get("hold", False)),
         )  # fmt: skip
 
     def _consume_times(self) -> None:
@@ -512,10 +539,14 @@ class Standin:
         state = {"done": False, "gone": False}
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, main, state))
         try:
+            begun = arrived
+            if plan.hold:
+                await self._hold()
+                begun = time.perf_counter()
             if plan.stream:
-                await self._stream(send, plan, arrived, body.get("model") or self.config.model, timing)
+                await self._stream(send, plan, begun, body.get("model") or self.config.model, timing)
             else:
-                await self._respond(send, plan, arrived, body.get("model") or self.config.model, state)
+                await self._respond(send, plan, begun, body.get("model") or self.config.model, state)
         except asyncio.CancelledError:
             if not state["gone"]:
                 raise

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from tests.standin import StandinConfig, build_app, count_chat_tokens, count_prompt_tokens
-from tests.support import serve_in_thread
+from tests.support import raw_post, serve_in_thread, wait_for
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -33,15 +33,6 @@ def client() -> Iterator[httpx.Client]:
 
 def sse_events(lines: Iterator[str]) -> list[str]:
     return [line[len("data: ") :] for line in lines if line.startswith("data: ")]
-
-
-def wait_for(predicate, timeout: float = 5.0) -> None:
-    """Poll until `predicate()` holds (a wait for an event, not a speed claim)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        time.sleep(0.01)
 
 
 def stats(client: httpx.Client, url: str) -> dict:
@@ -256,9 +247,9 @@ def test_die_after_chunks_drops_the_connection_mid_stream(standin, client):
 
 def test_stall_pauses_a_stream_past_a_read_timeout(standin, client):
     url, _ = standin
-    client.post(f"{url}/_standin/faults", json={"stall_after_chunks": 2, "stall_s": 3})
+    client.post(f"{url}/_standin/faults", json={"stall_after_chunks": 2, "stall_s": 120})
     events = []
-    with httpx.Client(timeout=httpx.Timeout(10.0, read=0.5)) as impatient:
+    with httpx.Client(timeout=httpx.Timeout(10.0, read=2.0)) as impatient:
         with pytest.raises(httpx.ReadTimeout):
             request = {"messages": MESSAGES, "stream": True}
             with impatient.stream("POST", f"{url}/v1/chat/completions", json=request) as response:
@@ -271,10 +262,9 @@ def test_stall_pauses_a_stream_past_a_read_timeout(standin, client):
 
 def test_first_byte_delay_then_client_leaves_is_an_abort(standin, client):
     url, _ = standin
-    client.post(f"{url}/_standin/faults", json={"first_byte_delay_s": 5})
-    with httpx.Client(timeout=httpx.Timeout(10.0, read=0.3)) as impatient:
-        with pytest.raises(httpx.ReadTimeout):
-            impatient.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES, "stream": True})
+    client.post(f"{url}/_standin/faults", json={"first_byte_delay_s": 120})
+    with raw_post(f"{url}/v1/chat/completions", {"messages": MESSAGES, "stream": True}):
+        wait_for(lambda: stats(client, url)["running"] == 1)
     wait_for(lambda: stats(client, url)["aborted"] == 1)
     assert stats(client, url)["running"] == 0
 
@@ -283,25 +273,49 @@ def test_first_byte_delay_then_client_leaves_is_an_abort(standin, client):
 def test_client_disconnect_is_seen_and_counted(standin, client, stream):
     url, _ = standin
     request = {"messages": MESSAGES, "stream": stream, "standin": {"tokens": 10_000, "itl_ms": 5}}
-    with httpx.Client(timeout=httpx.Timeout(10.0, read=0.3)) as leaving:
-        if stream:
+    if stream:
+        with httpx.Client(timeout=httpx.Timeout(10.0)) as leaving:
             with leaving.stream("POST", f"{url}/v1/chat/completions", json=request) as response:
                 lines = response.iter_lines()
                 next(line for line in lines if line.startswith("data: "))
                 wait_for(lambda: stats(client, url)["running"] == 1)
-        else:
-            with pytest.raises(httpx.ReadTimeout):
-                leaving.post(f"{url}/v1/chat/completions", json=request)
+    else:  # the answer would take 50 s
+        with raw_post(f"{url}/v1/chat/completions", request):
+            wait_for(lambda: stats(client, url)["running"] == 1)
     wait_for(lambda: stats(client, url)["aborted"] == 1)
     seen = stats(client, url)
     assert seen["running"] == 0 and seen["finished"] == 0 and seen["started"] == 1
 
 
-def test_the_openai_sdk_reads_the_standin_like_an_engine(standin):
+def test_hold_keeps_requests_in_flight_until_released(standin, client):
+    url, _ = standin
+    client.post(f"{url}/_standin/faults", json={"hold": True})
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [
+            pool.submit(httpx.post, f"{url}/v1/chat/completions", json={"messages": MESSAGES, "stream": stream},
+                        timeout=30)
+            for stream in (False, True, False)
+        ]
+        wait_for(lambda: stats(client, url)["held"] == 3)
+        seen = stats(client, url)
+        assert seen["running"] == 3 and seen["finished"] == 0
+        assert not any(future.done() for future in futures)  # no answer before the release
+        assert client.post(f"{url}/_standin/release").json() == {"released": 3}
+        answers = [future.result() for future in futures]
+    assert [answer.status_code for answer in answers] == [200] * 3
+    assert answers[1].text.endswith("data: [DONE]\n\n")
+    seen = stats(client, url)
+    assert seen["finished"] == 3 and seen["held"] == 0 and seen["running"] == 0
+    assert client.get(f"{url}/_standin/faults").json() == {}  # the release ends the hold
+    assert client.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES}).status_code == 200
+
+
+def test_the_openai_sdk_reads_the_standin_like_an_engine(standin, request):
     import openai
 
     url, _ = standin
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    request.addfinalizer(client.close)
     assert [model.id for model in client.models.list().data] == ["m"]
     answer = client.chat.completions.create(model="m", messages=MESSAGES)
     assert answer.usage.prompt_tokens == count_chat_tokens(MESSAGES)

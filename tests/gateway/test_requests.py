@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from tests.gateway.conftest import chat_body, fast_settings, sse_events
+from tests.support import wait_for
 
 LIMIT = 4096
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -139,8 +140,13 @@ def test_request_ids_round_trip_to_the_engine_and_back(engines, gateway, caplog)
         made = response.headers["x-request-id"]
         assert len(made) == 32 and engine.stats()["last_request"]["headers"]["x-request-id"] == made
         assert httpx.post(f"{gw.url}/v1/chat/completions", content=b"{").headers["x-request-id"]
-    logged = {entry["request_id"]: entry for entry in
-              (json.loads(r.getMessage()) for r in caplog.records if r.name == "test.access")}
+
+        def access_log() -> list[dict]:
+            return [json.loads(r.getMessage()) for r in caplog.records if r.name == "test.access"]
+
+        # Each line is written once its response went out, on the gateway's thread: wait for it.
+        wait_for(lambda: len(access_log()) >= 3, what=access_log)
+    logged = {entry["request_id"]: entry for entry in access_log()}
     assert len(logged) == 3
     plain, streamed = logged.pop("req-42"), logged.pop(made)
     assert streamed["stream"] is True and streamed["ttft_s"] > 0 and streamed["engine"]

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from server.gateway.proxy.transport import UpstreamTransport
-from tests.support import free_port, serve_in_thread
+from tests.support import async_wait_for, refusing_port, serve_in_thread
 
 
 async def hello(scope, receive, send):
@@ -49,7 +49,8 @@ async def test_a_connection_the_server_closed_while_idle_is_replaced(server_url)
     transport = UpstreamTransport(max_connections=2)
     async with httpx.AsyncClient(transport=transport) as client:
         assert (await client.get(f"{server_url}/")).text == "hello"
-        await asyncio.sleep(1.5)  # past the server's keep-alive timeout: it closes the idle connection
+        (idle,) = [connection for origin in transport._origins.values() for connection in origin.idle]
+        await async_wait_for(lambda: idle.closed)  # the server's keep-alive timeout (1 s) closed it
         assert (await client.get(f"{server_url}/")).text == "hello"
 
 
@@ -75,8 +76,8 @@ async def test_unfinished_responses_close_their_connection(server_url):
 async def test_errors_are_httpx_errors():
     transport = UpstreamTransport()
     async with httpx.AsyncClient(transport=transport, timeout=2) as client:
-        with pytest.raises(httpx.ConnectError):
-            await client.get(f"http://127.0.0.1:{free_port()}/")
+        with refusing_port() as port, pytest.raises(httpx.ConnectError):
+            await client.get(f"http://127.0.0.1:{port}/")
 
 
 def test_an_injected_httpx_client_carries_the_proxied_traffic(gateway):

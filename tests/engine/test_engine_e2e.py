@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.engine.planner import plan_profile
 from tests.conftest import ROOT
+from tests.support import wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -99,7 +100,8 @@ def test_fp8_profile_refused_before_any_engine_starts():
     assert "kv-cache-dtype fp8 on CPU needs x86 with AVX-512 or AMX" in out.stderr
     assert "starting:" not in out.stderr  # the supervisor never launched vLLM
     assert vllm_processes() == before
-    assert elapsed < 15, f"refusal took {elapsed:.1f} s"
+    # Refused at once, not after starting vLLM (40 s at best on this model); far bound for a busy machine.
+    assert elapsed < 30, f"refusal took {elapsed:.1f} s"
 
 
 def descendants(pid: int) -> set[int]:
@@ -135,9 +137,7 @@ def test_sigterm_stops_the_engine_and_every_child(real_engine):
     assert len(tree) >= 2, "expected the vLLM API server and its engine core"
     supervisor.send_signal(signal.SIGTERM)
     assert supervisor.wait(timeout=60) == 0
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in tree) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [pid for pid in tree if alive(pid)]
+    wait_for(lambda: not [pid for pid in tree if alive(pid)], interval=0.1,
+             what=lambda: f"still alive: {[pid for pid in tree if alive(pid)]}")
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{real_engine.url}/health", timeout=2)

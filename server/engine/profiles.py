@@ -36,12 +36,19 @@ class TrimmingConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["off", "auto", "strict"] = "auto"
+    # auto: watermarks (cut well below the budget, then only append: the prefix cache keeps
+    # hitting); window: the longest suffix that fits (the cut moves every turn); strict: refuse
+    # what does not fit; off: send everything.
+    mode: Literal["off", "window", "auto", "strict"] = "auto"
     # Tokens kept free for the answer when a request names neither max_tokens nor
     # max_completion_tokens.
     default_max_tokens: int = Field(default=256, ge=1)
     # A budget smaller than max_model_len - answer tokens, for history alone.
     history_budget_tokens: int | None = Field(default=None, ge=1)
+    # auto: when a prompt passes the budget (the high mark), whole turns are dropped until it
+    # fits this fraction of the budget (the low mark), or as near to it as the instructions and
+    # the newest turn allow.
+    low_mark: float = Field(default=0.65, gt=0.0, le=1.0)
 
 
 class PlannerHints(BaseModel):

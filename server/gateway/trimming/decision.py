@@ -8,8 +8,12 @@ verify the chosen prompt when it comes close to the budget, and forwards.
 
 Budget = max_model_len - answer tokens (the request's `max_completion_tokens`, else `max_tokens`,
 else the profile's `trimming.default_max_tokens`), or `trimming.history_budget_tokens` when that
-is smaller. The request header `x-trim-mode` may ask for a stricter mode than the profile's
-(off < auto < strict), never a looser one.
+is smaller. Modes: `auto` cuts with watermarks (`watermark`: down to the low mark, then the cut
+stays put so the prefix cache keeps hitting), `window` keeps the longest suffix that fits
+(`core.trim_messages`: the cut moves every turn), `strict` refuses what does not fit, `off`
+sends everything. The request header `x-trim-mode` may ask for a stricter mode than the
+profile's (off < window = auto < strict), never a looser one; between `window` and `auto` it
+chooses.
 """
 
 from __future__ import annotations
@@ -23,8 +27,11 @@ from server.engine.profiles import TrimmingConfig
 from server.gateway.edge.asgi import Headers
 from server.gateway.errors import InvalidRequest
 from server.gateway.trimming.core import Message, TrimResult, trim_messages
+from server.gateway.trimming.watermark import low_mark_tokens, watermark_trim
 
-MODES = ("off", "auto", "strict")
+MODES = ("off", "window", "auto", "strict")
+# How much a mode changes a request: a request may ask for more, or the same, never less.
+_STRICTNESS = {"off": 0, "window": 1, "auto": 1, "strict": 2}
 
 
 class Outcome(StrEnum):
@@ -56,10 +63,11 @@ def parse_mode(requested: str | None) -> str | None:
 
 
 def effective_mode(configured: str, requested: str | None) -> str:
-    """The stricter of the configured mode and the one the request asks for."""
-    if requested is None:
+    """The stricter of the configured mode and the one the request asks for (the request's when
+    they are as strict: `window` or `auto`)."""
+    if requested is None or _STRICTNESS[requested] < _STRICTNESS[configured]:
         return configured
-    return MODES[max(MODES.index(configured), MODES.index(requested))]
+    return requested
 
 
 def answer_tokens(request: Mapping[str, Any], config: TrimmingConfig) -> int | None:
@@ -128,20 +136,26 @@ def decide(
     mode: str,
     *,
     limit: int | None = None,
+    low_mark: float = 0.65,
 ) -> TrimOutcome:
     """Fit `messages` (costing `per_message` tokens each, plus `overhead` once) into `budget`.
 
-    `mode` is `auto` or `strict` (`off` never gets here). `limit` (default: the budget) is what
-    the cut aims for: the caller lowers it when an exact count showed the estimate was short.
-    The outcome is `kept` or `trimmed` with the estimated `prompt_tokens`, or `rejected` with
-    the error to answer.
+    `mode` is `auto`, `window` or `strict` (`off` never gets here). `limit` (default: the
+    budget) is what the cut aims for: the caller lowers it when an exact count showed the
+    estimate was short. `low_mark` is the fraction of it a watermark cut goes down to. The
+    outcome is `kept` or `trimmed` with the estimated `prompt_tokens`, or `rejected` with the
+    error to answer.
     """
     counts = dict(zip(map(id, messages), per_message, strict=True))
 
     def count(message: Message) -> int:
         return counts[id(message)]
 
-    result = trim_messages(messages, budget.tokens if limit is None else limit, count, overhead=overhead)
+    high = budget.tokens if limit is None else limit
+    if mode == "auto":
+        result = watermark_trim(messages, high, low_mark_tokens(high, low_mark), count, overhead=overhead)
+    else:
+        result = trim_messages(messages, high, count, overhead=overhead)
     if not result.fits or (mode == "strict" and result.trimmed):
         return refusal(result, budget, mode)
     if not result.trimmed:

@@ -163,14 +163,16 @@ class HistoryTrimming:
         )
         tools = body.get("tools")
         tools = tools if isinstance(tools, list) and tools and accepts_tools(type(target)) else None
-        tokenize, counter = target.tokenize, self.counter
+        tokenize, counter, low_mark = target.tokenize, self.counter, target.trimming.low_mark
         counts = await counter.estimate(model, tokenize, messages, generation_prompt, budget.tokens, tools)
         if counts.unseen:
             return TrimOutcome(Outcome.KEPT)  # fits even with upper bounds: sent before it is counted
         limit = budget.tokens
         sent = counts.total
         for _ in range(_MAX_ROUNDS):
-            outcome = decide(messages, counts.per_message, counts.overhead, budget, mode, limit=limit)
+            outcome = decide(
+                messages, counts.per_message, counts.overhead, budget, mode, limit=limit, low_mark=low_mark
+            )
             if outcome.prompt_tokens is None or outcome.status is Outcome.REJECTED:
                 return outcome
             kept = outcome.kept if outcome.kept is not None else messages

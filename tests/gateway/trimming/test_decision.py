@@ -59,7 +59,7 @@ def test_a_history_that_fits_is_kept_with_its_count():
 
 def test_a_long_history_is_trimmed_to_the_budget_keeping_the_instructions():
     messages = _messages(9)  # system + 9 turns, 10 tokens each, overhead 5: 105
-    outcome = decide(messages, [10] * 10, 5, Budget(60, None, 0), "auto")
+    outcome = decide(messages, [10] * 10, 5, Budget(60, None, 0), "window")
     assert outcome.status is Outcome.TRIMMED
     # Room for four turns after the instructions, but the kept history starts on a user turn: three.
     assert outcome.kept == [messages[0], *messages[7:]] and messages[7]["role"] == "user"
@@ -68,7 +68,7 @@ def test_a_long_history_is_trimmed_to_the_budget_keeping_the_instructions():
 
 def test_a_lower_limit_cuts_further_without_changing_the_budget_named():
     messages = _messages(9)
-    outcome = decide(messages, [10] * 10, 5, Budget(60, None, 0), "auto", limit=35)
+    outcome = decide(messages, [10] * 10, 5, Budget(60, None, 0), "window", limit=35)
     assert outcome.kept == [messages[0], messages[9]] and outcome.prompt_tokens == 25
 
 
@@ -214,3 +214,31 @@ async def test_no_budget_is_reported():
     request = _chat(_messages(2))
     await _step(Target(max_model_len=None))(request)
     assert request.response_headers == [(b"x-trim-status", b"no-budget")]
+
+
+def test_the_profile_names_the_modes_and_checks_the_low_mark():
+    from pydantic import ValidationError
+
+    assert TrimmingConfig().mode == "auto" and TrimmingConfig().low_mark == 0.65
+    assert TrimmingConfig(mode="window", low_mark=1.0).mode == "window"
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValidationError):
+            TrimmingConfig(low_mark=bad)
+    with pytest.raises(ValidationError):
+        TrimmingConfig(mode="sliding")
+
+
+def test_auto_and_window_are_as_strict_so_a_request_chooses_between_them():
+    assert effective_mode("auto", "window") == "window" and effective_mode("window", "auto") == "auto"
+    assert effective_mode("window", "off") == "window" and effective_mode("strict", "window") == "strict"
+    assert effective_mode("off", "window") == "window"
+    assert parse_mode("Window") == "window"
+
+
+def test_auto_cuts_further_than_the_window_and_says_so():
+    messages = _messages(9)  # system + 9 turns, 10 tokens each, overhead 5: 105
+    window = decide(messages, [10] * 10, 5, Budget(60, None, 0), "window")
+    auto = decide(messages, [10] * 10, 5, Budget(60, None, 0), "auto", low_mark=0.5)
+    assert auto.status is Outcome.TRIMMED and auto.prompt_tokens is not None
+    assert auto.prompt_tokens <= 30 < window.prompt_tokens  # down to the low mark: 0.5 * 60
+    assert auto.kept == [messages[0], messages[9]]

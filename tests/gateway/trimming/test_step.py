@@ -97,7 +97,7 @@ def conversation(turns: int, words: int = 20) -> list[dict]:
 
 
 def test_a_long_history_is_trimmed_to_the_budget():
-    with stack() as s:
+    with stack("window") as s:
         messages = conversation(61)  # 34 + 61 * 24 + 3 = 1501 tokens, budget 1000 - 100
         assert count_chat_tokens(messages) == 1501
         response = s.chat(messages, max_tokens=100)
@@ -115,6 +115,31 @@ def test_a_long_history_is_trimmed_to_the_budget():
         assert int(response.headers["x-prompt-tokens-estimate"]) == prompt
         assert s.trimmed_total("messages") == len(messages) - len(kept)
         assert s.trimmed_total("tokens") == 1501 - prompt
+
+
+def test_auto_cuts_down_to_the_low_mark_and_then_the_prompt_only_grows():
+    """Watermarks: the engine sees each prompt extend the previous one, except at a few cuts,
+    each of which leaves at most the low mark (0.65 of the 900-token budget)."""
+    with stack() as s:
+        messages = conversation(1)
+        received, prompts = [], []
+        for turn in range(30):
+            response = s.chat(messages, max_tokens=100)
+            assert response.status_code == 200, response.text
+            received.append(s.received())
+            prompts.append(response.json()["usage"]["prompt_tokens"])
+            assert prompts[-1] <= 900
+            messages = [*messages, {"role": "assistant", "content": f"reply{turn} " + "w " * 19},
+                        {"role": "user", "content": f"next{turn} " + "w " * 19}]
+        cuts = [t for t in range(1, 30) if received[t][:len(received[t - 1])] != received[t - 1]]
+        assert cuts and cuts[0] == 18  # 34 + 24 * (2t + 1) + 3 tokens pass 900 at turn 18
+        for t in range(1, 30):
+            assert received[t][0] == messages[0] and received[t][-1] == messages[2 * t + 1]
+            if t in cuts:
+                assert prompts[t] <= 900 * 0.65 and received[t][1]["role"] == "user"
+            else:
+                assert received[t] == [*received[t - 1], *messages[2 * t:2 * t + 2]]
+        assert len(cuts) < 29 - cuts[0]  # the window would have moved on every turn since
 
 
 def test_a_history_far_under_budget_is_sent_before_its_new_message_is_counted():
@@ -400,8 +425,8 @@ def test_tool_definitions_count_against_the_budget_when_the_tokenizer_takes_them
     tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {}}} for i in range(2)]
     messages = conversation(20)  # 34 + 20 * 24 + 3 = 517 tokens
     with serve_in_thread(engine) as engine_url:
-        for target, room in ((ToolRenderingTarget(TrimmingConfig(history_budget_tokens=400)), 300),
-                             (StandinTarget(TrimmingConfig(history_budget_tokens=400)), 400)):
+        for target, room in ((ToolRenderingTarget(TrimmingConfig(mode="window", history_budget_tokens=400)), 300),
+                             (StandinTarget(TrimmingConfig(mode="window", history_budget_tokens=400)), 400)):
             target.url = engine_url
 
             async def lookup(model, target=target):

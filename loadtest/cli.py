@@ -16,6 +16,7 @@ import httpx
 from loadtest import aio, scenarios
 from loadtest.client import HTTP_CLIENTS, ChatClient, make_transport, normalize_base_url
 from loadtest.engine_probe import EngineProbe
+from loadtest.loop_lag import Limits
 from loadtest.overhead import fetch_engine_timings, overhead_summary
 from loadtest.progress import Progress
 from loadtest.report import Comparison, RunOutcome, console_table, write_outputs
@@ -199,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="share of requests that must meet every --slo (0.95)")
     out.add_argument("--progress", choices=("auto", "tty", "plain", "off"), default="auto",
                      help="live progress: rewritten line on a terminal, plain lines otherwise")
+    out.add_argument("--loop-lag-limit", type=float, default=Limits().p99_loop_lag_ms,
+                     metavar="MS", help="warn that the load generator was saturated when its "
+                     "event loop lagged more than this at p99 (5)")
     out.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     return parser
 
@@ -265,7 +269,8 @@ async def run_all(args: argparse.Namespace, shapes: list[LoadShape], stop: StopR
             for group in groups:
                 results = await _run_group(args, group, shape, stop, progress, probe_http)
                 for target, result in zip(group, results):
-                    outcome = RunOutcome.of(result, normalize_base_url(target["url"]), slos)
+                    outcome = RunOutcome.of(result, normalize_base_url(target["url"]), slos,
+                                            limits=Limits(p99_loop_lag_ms=args.loop_lag_limit))
                     if args.engine_timings_url and target is targets[0]:
                         timings = await fetch_engine_timings(args.engine_timings_url, probe_http)
                         outcome.summary.update(overhead_summary(

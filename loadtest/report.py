@@ -15,7 +15,7 @@ from pathlib import Path
 
 from loadtest.metrics import (ALIASES, differences, paired_differences, per_turn, ratios,
                               summarize)
-from loadtest.loop_lag import saturation
+from loadtest.loop_lag import Limits, saturation
 from loadtest.runner import RunResult
 
 CAVEAT = ("Figures depend on the machine, the model and the engine settings: a tiny model on a "
@@ -33,14 +33,16 @@ class RunOutcome:
     verdict: dict | None = None
 
     @classmethod
-    def of(cls, result: RunResult, url: str, slos: dict[str, float]) -> RunOutcome:
+    def of(cls, result: RunResult, url: str, slos: dict[str, float], *,
+           limits: Limits | None = None) -> RunOutcome:
         summary = summarize(result.measured, slos=slos)
         summary["engine"] = result.engine
         summary.update(result.loop_lag)
         shape = result.shape
         summary["target_rate"] = shape.rate
         summary["generator_warnings"] = saturation(
-            summary, target_rate=shape.rate if shape.concurrency is None else None)
+            summary, target_rate=shape.rate if shape.concurrency is None else None,
+            limits=limits or Limits())
         return cls(result, url, summary, per_turn(result.measured))
 
     def to_json(self) -> dict:

@@ -59,6 +59,8 @@ class SSEDecoder:
         return events
 
     def _consume(self, text: str) -> list[SSEEvent]:
+        if "\r" not in text:
+            return self._consume_lf(text)
         events: list[SSEEvent] = []
         start = 0
         length = len(text)
@@ -102,6 +104,19 @@ class SSEDecoder:
         self._data = []
         self._event = ""
         return event
+
+
+    def _consume_lf(self, text: str) -> list[SSEEvent]:
+        """`_consume` for text whose only line ends are `\n` (what servers send): one split."""
+        *lines, self._pending = text.split("\n")
+        if len(self._pending) > self._max_line_chars:
+            raise SSEProtocolError(f"SSE line longer than {self._max_line_chars} characters")
+        events = []
+        for line in lines:
+            event = self._line(line)
+            if event is not None:
+                events.append(event)
+        return events
 
 
 def _next_line_end(text: str, start: int) -> int:

@@ -80,8 +80,9 @@ def saturation(summary: dict, *, target_rate: float | None = None,
     if lag is not None and not math.isnan(lag) and lag > limits.p99_loop_lag_ms:
         warnings.append(
             f"the load generator was saturated: its event loop lagged {lag:.1f} ms at p99 "
-            f"(limit {limits.p99_loop_lag_ms:g} ms), so its latencies include its own delays; "
-            f"lower the concurrency or rate, or run it on a less busy machine")
+            f"(limit {limits.p99_loop_lag_ms:g} ms; too much load for one process, or a busy "
+            f"machine), so its latencies include its own delays; lower the concurrency or "
+            f"rate, or run it where it gets a core of its own")
     achieved = summary.get("achieved_rate")
     if target_rate and achieved is not None and not math.isnan(achieved) and (
             achieved < target_rate * (1 - limits.rate_shortfall)):

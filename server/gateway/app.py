@@ -17,22 +17,20 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from server.config import ServedModel
-from server.gateway.edge.auth import load_api_keys
+from server.gateway.edge.auth import load_admin_keys, load_api_keys
 from server.gateway.edge.ops import GatewayState
-from server.gateway.edge.requests import GatewayRequest
-from server.gateway.edge.router import Gateway, RequestStep
+from server.gateway.edge.router import Gateway
 from server.gateway.engines.health import HealthChecker
 from server.gateway.engines.collector import EngineCollector
 from server.gateway.engines.pool import EnginePool
 from server.gateway.engines.scraper import EngineMetricsScraper
-from server.gateway.errors import InvalidRequest
 from server.gateway.observability.logs import log_request as default_log_request
 from server.gateway.observability.metrics import GatewayMetrics
 from server.gateway.observability.record import RequestReporter
 from server.gateway.proxy.exchange import Proxy
 from server.gateway.proxy.transport import ClientUpstream, Upstream, UpstreamTransport
 from server.gateway.settings import GatewaySettings
-from server.gateway.trimming.middleware import MODE_HEADER, MODES, TrimmingMiddleware
+from server.gateway.trimming.step import HistoryTrimming
 from server.gateway.trimming.target import make_lookup
 
 
@@ -55,30 +53,6 @@ def _ops_client(settings: GatewaySettings) -> httpx.AsyncClient:
         limits=httpx.Limits(max_connections=32, max_keepalive_connections=32, keepalive_expiry=30.0),
         trust_env=False,
     )
-
-
-def _trimming_step(trimming: TrimmingMiddleware) -> RequestStep:
-    """History trimming as a request step (until the trimming package provides its own)."""
-
-    async def trim(request: GatewayRequest) -> None:
-        if not request.endpoint.trims_history:
-            return
-        requested = request.header(MODE_HEADER)
-        if requested is not None and requested.strip().lower() not in MODES:
-            raise InvalidRequest(f"Header x-trim-mode must be one of {', '.join(MODES)}; got {requested!r}.",
-                                 param="x-trim-mode", code="invalid_trim_mode")
-        outcome = await trimming._decide(request.body, requested and requested.strip().lower())
-        if outcome is None:
-            return
-        if outcome.error is not None:
-            outcome.error.headers = outcome.response_headers()
-            raise outcome.error
-        if outcome.kept is not None:
-            request.replace_body(dict(request.body, messages=outcome.kept))
-            request.trimmed_messages, request.trimmed_tokens = outcome.dropped_messages, outcome.dropped_tokens
-        request.response_headers.extend(outcome.response_headers())
-
-    return trim
 
 
 def create_app(settings: GatewaySettings, models: Sequence[ServedModel], *,
@@ -105,8 +79,7 @@ def create_app(settings: GatewaySettings, models: Sequence[ServedModel], *,
     scraper = EngineMetricsScraper(upstreams.engines(), client=ops_client, interval=settings.metrics_scrape_interval)
     metrics.registry.register(EngineCollector(upstreams.engines()))
     timeout = httpx.Timeout(settings.timeouts.first_byte, connect=settings.timeouts.connect)
-    trimming = TrimmingMiddleware(None, lookup=make_lookup(upstreams, client, settings.routing, timeout),
-                                  metrics=metrics)
+    trimming = HistoryTrimming(lookup=make_lookup(upstreams, client, settings.routing, timeout), metrics=metrics)
 
     async def startup() -> None:
         await health.start()
@@ -126,8 +99,9 @@ def create_app(settings: GatewaySettings, models: Sequence[ServedModel], *,
         state=GatewayState(upstreams=upstreams, registry=metrics.registry, proxy=proxy, health=health),
         proxy=proxy,
         reporter=RequestReporter(metrics, log_request),
-        steps=[_trimming_step(trimming)],
+        steps=[trimming],
         keys=keys, protect_ops=settings.auth.protect_ops_endpoints,
         max_body_bytes=settings.limits.max_body_bytes,
+        admin_keys=load_admin_keys(settings.auth, environ), max_upload_bytes=settings.limits.max_upload_bytes,
         startup=startup, shutdown=shutdown,
     )

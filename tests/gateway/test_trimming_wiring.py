@@ -50,7 +50,7 @@ def test_configured_trimming_fits_the_history_into_the_engines_max_model_len(eng
 async def test_tool_definitions_are_sent_to_the_engines_tokenizer(engines):
     """Templates render `tools` into the prompt: the gateway's token counts must include them, so
     its tokenize call carries them (and the middleware knows it may pass them)."""
-    from server.gateway.trimming.middleware import _accepts_tools
+    from server.gateway.trimming.step import accepts_tools as _accepts_tools
     from server.gateway.trimming.target import EngineTrimTarget
     from server.deploy.plan import plan_deployment
     from server.gateway.engines.pool import EnginePool

@@ -48,6 +48,11 @@ scenarios:
 outputs (in --output DIR): requests.jsonl, summary.json, report.md, ttft.png, itl.png,
 latency_over_time.png, turns.png (multi-turn)
 
+the load generator times its own event loop; when it lagged more than --loop-lag-limit (5 ms)
+at p99, or an open-loop run fell more than 5 % behind its rate, the terminal, summary.json
+(generator_warnings) and report.md say so. Per request it keeps usage.prompt_tokens_details.
+cached_tokens; multi-turn runs print the cached share per turn.
+
 exit codes: 0 ok; 1 an --slo was missed (attainment below --slo-attainment);
 2 bad arguments or scenario; 3 a run completed no request at all.
 

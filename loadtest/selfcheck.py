@@ -120,7 +120,8 @@ def markdown(document: dict) -> str:
              ("Written by `python -m loadtest.selfcheck`. added TTFT = the load tester's TTFT - "
               "the engine-side TTFT of the same request (joined by `x-request-id`). It includes "
               "the loopback both ways and the stand-in's HTTP parsing, so it bounds the load "
-              "tester's own share from above."), ""]
+              "tester's own share from above. Client CPU per request includes the idle "
+              "event loop's timers, which dominate at low rates."), ""]
     for label, entry in document["labels"].items():
         lines += [f"## {label}", "", f"- {entry['when']}, {entry['machine']}",
                   f"- command: `{entry['command']}`", f"- `uptime` before: {entry['uptime']}",

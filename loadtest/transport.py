@@ -13,7 +13,7 @@ generators). Here:
   `max_connections` open at once; a reused connection that fails before any answer byte is
   retried once on a new one (the server closed it while idle; the request never reached it).
 
-HTTP only (no TLS), what load tests against engines and gateways on a network need. Errors:
+`http://` and `https://` (the system's CA certificates, no client certificates). Errors:
 `ConnectError` (no connection), `ProtocolError` (the connection broke or the answer was not
 HTTP); both subclass `TransportError`.
 """
@@ -21,6 +21,7 @@ HTTP); both subclass `TransportError`.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections import deque
 from collections.abc import Callable
@@ -166,26 +167,29 @@ class HTTPClient:
     """Posts to one or more `http://` origins over pooled keep-alive connections."""
 
     def __init__(self, *, max_connections: int | None = None, connect_timeout_s: float = 10.0,
+                 tls: ssl.SSLContext | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self._clock = clock
         self._connect_timeout_s = connect_timeout_s
-        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._idle: dict[tuple[str, int, bool], list[_Connection]] = {}
+        self._tls = tls  # for https://; the system's CA certificates when None
         self._slots = asyncio.Semaphore(max_connections) if max_connections else None
-        self._targets: dict[str, tuple[tuple[str, int], bytes]] = {}
+        self._targets: dict[str, tuple[tuple[str, int, bool], bytes]] = {}
         self._open: set[_Connection] = set()
-        self._keys: dict[_Connection, tuple[str, int]] = {}
+        self._keys: dict[_Connection, tuple[str, int, bool]] = {}
 
-    def _target(self, url: str) -> tuple[tuple[str, int], bytes]:
+    def _target(self, url: str) -> tuple[tuple[str, int, bool], bytes]:
         target = self._targets.get(url)
         if target is None:
             parts = urlsplit(url)
-            if parts.scheme != "http" or not parts.hostname:
-                raise ConnectError(f"only http:// URLs are supported: {url!r}")
-            port = parts.port or 80
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ConnectError(f"not an http:// or https:// URL: {url!r}")
+            tls = parts.scheme == "https"
+            port = parts.port or (443 if tls else 80)
             path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
             host = parts.hostname if parts.port is None else f"{parts.hostname}:{port}"
             head = f"POST {path} HTTP/1.1\r\nhost: {host}\r\n".encode("latin-1")
-            target = self._targets[url] = ((parts.hostname, port), head)
+            target = self._targets[url] = ((parts.hostname, port, tls), head)
         return target
 
     async def post(self, url: str, headers: dict[str, str], body: bytes) -> Response:
@@ -222,7 +226,8 @@ class HTTPClient:
             raise
         return Response(self, connection)
 
-    async def _take(self, key: tuple[str, int], fresh: bool = False) -> tuple[_Connection, bool]:
+    async def _take(self, key: tuple[str, int, bool],
+                    fresh: bool = False) -> tuple[_Connection, bool]:
         idle = self._idle.setdefault(key, [])
         while idle and not fresh:
             connection = idle.pop()
@@ -230,10 +235,14 @@ class HTTPClient:
                 return connection, True
             self._forget(connection)
         loop = asyncio.get_running_loop()
+        host, port, tls = key
+        if tls and self._tls is None:
+            self._tls = ssl.create_default_context()
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 _, connection = await loop.create_connection(
-                    lambda: _Connection(self._clock), key[0], key[1])
+                    lambda: _Connection(self._clock), host, port,
+                    ssl=self._tls if tls else None)
         except TimeoutError:
             raise ConnectError(f"no connection to {key[0]}:{key[1]} within "
                                f"{self._connect_timeout_s:g} s") from None

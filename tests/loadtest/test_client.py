@@ -195,7 +195,7 @@ def test_raw_transport_replaces_a_connection_the_server_closed_while_idle():
             client = ChatClient(url, http=http, model="standin", timeout_s=10)
             first = await client.stream(RequestRecord(request_id="a", max_tokens=2), MESSAGES,
                                         origin=time.perf_counter())
-            (idle,) = http._idle[("127.0.0.1", int(url.rsplit(":", 1)[1]))]
+            (idle,) = http._idle[("127.0.0.1", int(url.rsplit(":", 1)[1]), False)]
             deadline = time.monotonic() + 30
             while not idle.closed and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)  # poll until the server has closed it
@@ -210,3 +210,29 @@ def test_raw_transport_replaces_a_connection_the_server_closed_while_idle():
     with serve_in_thread(app, timeout_keep_alive=1) as url:
         first, second = asyncio.run(go(url))
     assert first.ok and second.ok
+
+
+def test_raw_transport_speaks_https(tmp_path):
+    import ssl
+    import subprocess
+
+    from loadtest.transport import HTTPClient
+    from tests.standin import StandinConfig, build_app
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    trust = ssl.create_default_context(cafile=str(cert))
+
+    async def go(url):
+        async with HTTPClient(max_connections=1, tls=trust) as http:
+            client = ChatClient(url, http=http, model="standin", timeout_s=10)
+            answer = await client.stream(RequestRecord(request_id="tls", max_tokens=3), MESSAGES,
+                                         origin=time.perf_counter())
+            return answer.record
+
+    app = build_app(StandinConfig(ttft_ms=1, itl_ms=1, tokens=3))
+    with serve_in_thread(app, ssl_certfile=str(cert), ssl_keyfile=str(key)) as url:
+        record = asyncio.run(go(url.replace("http://", "https://")))
+    assert record.ok and record.completion_tokens == 3

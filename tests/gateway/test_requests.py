@@ -199,9 +199,15 @@ def test_metrics_count_requests_first_tokens_and_usage(engines, gateway):
     httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body(stream=True, stream_options={"include_usage": True}))
     httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body())
     httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body(model="nope"))
-    text = httpx.get(f"{gw.url}/metrics").text
-    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line and not line.startswith("#")}
+
+    def scrape() -> tuple[str, dict[str, float]] | None:
+        text = httpx.get(f"{gw.url}/metrics").text
+        samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line and not line.startswith("#")}
+        counted = sum(v for k, v in samples.items() if k.startswith("gateway_requests_total{"))
+        return (text, samples) if counted >= 3 else None  # each is counted just after its response
+
+    text, samples = wait_for(scrape)
     assert samples['gateway_time_to_first_token_seconds_count{model="standin"}'] == 1  # streaming only
     # 6 tokens make 5 gaps, fewer if a busy machine delivers two tokens in one read.
     assert 1 <= samples['gateway_inter_token_latency_seconds_count{model="standin"}'] <= 5

@@ -19,7 +19,6 @@ from typing import TypeVar
 import httpx
 import uvicorn
 
-
 T = TypeVar("T")
 
 WAIT_TIMEOUT = 30.0  # seconds; a condition that holds on a quiet machine in milliseconds

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tests.support import free_port, wait_http
+from tests.support import WAIT_TIMEOUT, free_port, wait_http
 
 
 class Prometheus:
@@ -42,7 +42,7 @@ class Prometheus:
         active = self._get("/api/v1/targets")["activeTargets"]
         return bool(active) and all(t["health"] == "up" for t in active)
 
-    def wait_rules_evaluated(self, timeout: float = 10.0) -> list[dict]:
+    def wait_rules_evaluated(self, timeout: float = WAIT_TIMEOUT) -> list[dict]:
         """Every loaded rule, once each has been evaluated at least once."""
         deadline = time.monotonic() + timeout
         while True:
@@ -54,7 +54,7 @@ class Prometheus:
                 raise TimeoutError(f"rules not evaluated within {timeout} s: {rules}")
             time.sleep(0.2)
 
-    def wait_until(self, expr: str, predicate, timeout: float = 20.0) -> list[dict]:
+    def wait_until(self, expr: str, predicate, timeout: float = WAIT_TIMEOUT) -> list[dict]:
         """Poll `expr` until predicate(result) is true; returns that result."""
         deadline = time.monotonic() + timeout
         result: list[dict] = []

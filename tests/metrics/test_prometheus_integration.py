@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import re
-import time
 
 import openai
 import pytest
@@ -82,7 +81,9 @@ def test_every_dashboard_query_and_alert_expression_returns_data(real_engine):
         prom.wait_until(
             "gateway_engine_prefix_cache_queries_total", lambda r: total(r) > queries_before
         )
-        time.sleep(1.5)  # one more scrape, so every rate has two points after the last request
+        # One more scrape, so every rate has two points after the last request.
+        scraped = total(prom.query("max(timestamp(gateway_requests_total))"))
+        prom.wait_until("max(timestamp(gateway_requests_total))", lambda r: total(r) > scraped)
 
         # The metrics say what happened: 5 streamed requests, 3 non-streamed.
         ttft = prom.query("sum(gateway_time_to_first_token_seconds_count)")

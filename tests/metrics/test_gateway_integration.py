@@ -18,10 +18,11 @@ from server.gateway.app import create_app
 from server.gateway.observability.logs import ACCESS_LOGGER
 from server.gateway.settings import GatewaySettings, HealthCheck, ModelEngines
 from tests.standin import StandinConfig, build_app
-from tests.support import serve_in_thread
+from tests.support import serve_in_thread, wait_for
 
 TTFT_S = 0.2  # the stand-in sends the role chunk at once and the first token after this
-STALL_S = 0.8  # and, on request, pauses this long after the first token
+STALL_S = 2.0  # and, on request, pauses this long after the first token: 10x TTFT_S, so a busy machine
+# cannot make a first-token time taken at the first token look like one taken at the second
 
 
 def gateway_samples(url: str) -> dict[tuple[str, frozenset], float]:
@@ -37,9 +38,25 @@ def get(samples: dict, name: str, **labels: str) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
 
 
+def settled_samples(url: str, requests: int) -> dict[tuple[str, frozenset], float]:
+    """The gateway's samples once `requests` requests are counted (each is, just after its response)."""
+    def counted(samples: dict) -> float:
+        return sum(value for (name, _), value in samples.items() if name == "gateway_requests_total")
+
+    last: dict = {}
+
+    def poll() -> dict | None:
+        last["samples"] = gateway_samples(url)
+        return last["samples"] if counted(last["samples"]) >= requests else None
+
+    return wait_for(poll, what=lambda: f"{counted(last['samples']):g} of {requests} requests counted")
+
+
 @pytest.fixture
 def standin_url():
-    with serve_in_thread(build_app(StandinConfig(ttft_ms=TTFT_S * 1000, itl_ms=5, tokens=6))) as url:
+    # Tokens 50 ms apart: the gateway observes a gap per chunk it reads, and tokens that arrive
+    # together (a starved reader) make one chunk.
+    with serve_in_thread(build_app(StandinConfig(ttft_ms=TTFT_S * 1000, itl_ms=50, tokens=6))) as url:
         yield url
 
 
@@ -66,8 +83,8 @@ def make_gateway(*models: ModelEngines, interval: float = 0.1, **settings_fields
 def test_ttft_once_per_stream_at_first_content_chunk_and_counters_by_status(standin_url, caplog):
     caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
     app, _ = make_gateway(ModelEngines(name="standin", urls=[standin_url]))
-    with serve_in_thread(app) as url:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    with serve_in_thread(app) as url, \
+            openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client:
         messages = [{"role": "user", "content": "hello"}]
         streamed = 2
         for _ in range(streamed):
@@ -88,7 +105,7 @@ def test_ttft_once_per_stream_at_first_content_chunk_and_counters_by_status(stan
             )
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model="nope", messages=messages)
-        got = gateway_samples(url)
+        got = settled_samples(url, 5)
 
     # Exactly one first-token observation per streamed request, none for the others...
     assert get(got, "gateway_time_to_first_token_seconds_count", model="standin") == streamed
@@ -97,7 +114,7 @@ def test_ttft_once_per_stream_at_first_content_chunk_and_counters_by_status(stan
     ttft_sum = get(got, "gateway_time_to_first_token_seconds_sum", model="standin")
     assert streamed * TTFT_S <= ttft_sum < streamed * (TTFT_S + STALL_S)
     assert get(got, "gateway_time_to_first_token_seconds_bucket", model="standin", le="0.15") == 0
-    assert get(got, "gateway_time_to_first_token_seconds_bucket", model="standin", le="1.0") == 2
+    assert get(got, "gateway_time_to_first_token_seconds_bucket", model="standin", le="2.0") == 2
     # Five gaps between six tokens, per stream; the stall is one of them.
     assert get(got, "gateway_inter_token_latency_seconds_count", model="standin") == streamed * 5
     assert get(got, "gateway_inter_token_latency_seconds_sum", model="standin") >= streamed * STALL_S
@@ -146,13 +163,13 @@ def test_dead_engines_are_marked_down_without_slowing_requests(standin_url, hang
                 held.append(conn)
                 if conn.recv(4096).startswith(b"GET /metrics"):
                     break
-            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-            for _ in range(3):
-                stream = client.chat.completions.create(
-                    model="standin", messages=[{"role": "user", "content": "hi"}], stream=True
-                )
-                assert len([c for c in stream if c.choices and c.choices[0].delta.content]) == 6
-            got = gateway_samples(url)
+            with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client:
+                for _ in range(3):
+                    stream = client.chat.completions.create(
+                        model="standin", messages=[{"role": "user", "content": "hi"}], stream=True
+                    )
+                    assert len([c for c in stream if c.choices and c.choices[0].delta.content]) == 6
+            got = settled_samples(url, 3)
             hanging, refused = (u.split("//")[1] for u in (hanging_url, refused_url))
             assert get(got, "gateway_engine_up", model="ghost", engine=refused) == 0
             assert get(got, "gateway_engine_up", model="ghost", engine=hanging) == 0

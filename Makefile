@@ -11,7 +11,7 @@ CONFIG ?= configs/gateway.yaml
 PROFILE ?= configs/profiles/tiny-cpu.yaml
 PYTEST_ARGS ?=
 
-.PHONY: help install run engine tiny-model test test-fast bench loadtest up down up-cpu down-cpu compose compose-cpu prometheus clean
+.PHONY: help install run engine tiny-model test test-fast test-busy bench loadtest up down up-cpu down-cpu compose compose-cpu prometheus clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -49,6 +49,13 @@ test: install prometheus ## Run the whole test suite (starts one real vLLM engin
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: install ## Tests that need no real engine and no Prometheus
+	$(BIN)/python -m pytest -m "not engine and not prometheus" $(PYTEST_ARGS)
+
+# The hogs are this recipe's own children, stopped by their ids however pytest ends.
+test-busy: install ## test-fast with two CPU hogs beside it (the tests must hold on a busy machine)
+	@hogs=""; trap 'kill $$hogs 2>/dev/null || true' EXIT; trap 'exit 130' INT TERM; \
+	for i in 1 2; do $(BIN)/python -c "while True: pass" & hogs="$$hogs $$!"; done; \
+	echo "==> two CPU hogs running (pids$$hogs)"; \
 	$(BIN)/python -m pytest -m "not engine and not prometheus" $(PYTEST_ARGS)
 
 bench: install ## Gateway vs direct vs vllm-router on a stand-in engine; writes docs/bench/

@@ -17,9 +17,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import HealthCheck
+from hypothesis import settings as hypothesis_settings
 
 from server.engine.profiles import Profile, load_profile
 from tests.support import free_port
+
+# Property tests have no per-example time limit: a busy machine makes an example slow, not wrong.
+hypothesis_settings.register_profile("tests", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+hypothesis_settings.load_profile("tests")
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_PROFILE = ROOT / "configs" / "profiles" / "tiny-cpu.yaml"

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from server.config import ModelEngines, SettingsError, describe, read_mapping
+from server.gateway.engines.routing import Policy
 
 
 class _Strict(BaseModel):
@@ -43,7 +44,7 @@ class Retries(_Strict):
 
 
 class Routing(_Strict):
-    policy: Literal["least_outstanding", "round_robin"] = "least_outstanding"
+    policy: Policy = "least_outstanding"  # when no affinity decides (server.gateway.engines.routing)
     session_header: str = "x-session-id"
     # Requests whose first `prefix_chars` characters of prompt are equal prefer one engine...
     prefix_affinity: bool = True

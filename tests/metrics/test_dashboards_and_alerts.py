@@ -8,13 +8,14 @@ import re
 import subprocess
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.gateway.engines.scraper import EngineMetricsScraper, ScrapeTarget, parse_engine_metrics
+from server.gateway.engines.collector import EngineCollector
+from server.gateway.engines.engine import Engine
+from server.gateway.engines.scraper import parse_engine_metrics
 from server.gateway.observability.metrics import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,20 +53,15 @@ def alert_exprs() -> list[tuple[str, str]]:
     return [(r["alert"], r["expr"]) for g in rules["groups"] for r in g["rules"]]
 
 
-async def exported_names() -> set[str]:
+def exported_names() -> set[str]:
     """Every sample name a scrape of the gateway can show, with every series populated."""
     metrics = GatewayMetrics()
     metrics.request_started("tiny")
     metrics.request_finished("tiny", 200, 1.0, streamed=True)
-    async with httpx.AsyncClient() as client:
-        scraper = EngineMetricsScraper(
-            [ScrapeTarget("tiny", "e0", "http://127.0.0.1:9", 1000)],
-            client=client,
-            registry=metrics.registry,
-        )
-        state = scraper.state("e0")
-        state.up, state.snapshot, state.last_success = True, parse_engine_metrics(VLLM_TEXT), 1.0
-        text = generate_latest(metrics.registry).decode()
+    engine = Engine("tiny", "http://127.0.0.1:9", planned_kv_tokens=1000)
+    engine.record_scrape(parse_engine_metrics(VLLM_TEXT), at=1.0)
+    metrics.registry.register(EngineCollector([engine]))
+    text = generate_latest(metrics.registry).decode()
     return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
 
 
@@ -74,8 +70,8 @@ def test_there_are_dashboards_with_queries():
     assert len(dashboard_queries()) >= 20
 
 
-async def test_every_metric_name_in_dashboards_and_alerts_is_exported():
-    names = await exported_names()
+def test_every_metric_name_in_dashboards_and_alerts_is_exported():
+    names = exported_names()
     used = set()
     for where, title, expr in dashboard_queries() + [("alerts", *a) for a in alert_exprs()]:
         for name in NAME.findall(expr):

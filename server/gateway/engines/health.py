@@ -4,6 +4,7 @@ An engine is ejected after `unhealthy_after` failed checks in a row and gets tra
 after `healthy_after` good ones (the very first check decides at once). When an engine turns
 healthy its `/v1/models` is read, for the model's `max_model_len` (trimming budgets, the
 gateway's own /v1/models). Checks run in the background and never on a request's path.
+What a check finds is written on the `Engine` (engine.py), where routing reads it.
 """
 
 from __future__ import annotations
@@ -14,20 +15,21 @@ import logging
 
 import httpx
 
+from server.gateway.engines.engine import Engine
+from server.gateway.engines.pool import EnginePool
 from server.gateway.settings import HealthCheck
-from server.gateway.engines.pool import Engine, Upstreams
 
 log = logging.getLogger("gateway.health")
 
 
 class HealthChecker:
-    """Keeps `Engine.healthy` and `Engine.card` current for every engine of `upstreams`."""
+    """Keeps `Engine.healthy` and `Engine.card` current for every engine of `pool`."""
 
-    def __init__(self, upstreams: Upstreams, client: httpx.AsyncClient, config: HealthCheck) -> None:
-        self.upstreams = upstreams
+    def __init__(self, pool: EnginePool, client: httpx.AsyncClient, config: HealthCheck) -> None:
+        self.pool = pool
         self.client = client
         self.config = config
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """One round of checks (so the gateway starts knowing), then a background loop."""
@@ -46,14 +48,14 @@ class HealthChecker:
             await asyncio.sleep(self.config.interval)
             try:
                 await self.check_all()
-            except Exception:  # noqa: BLE001 - a bug here must not stop the checks for good
+            except Exception:  # a bug here must not stop the checks for good
                 log.exception("health check round failed")
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self.check(engine) for engine in self.upstreams.engines()))
+        await asyncio.gather(*(self.check(engine) for engine in self.pool.engines()))
 
     async def check(self, engine: Engine) -> None:
-        error = None
+        error: str | None = None
         try:
             response = await self.client.get(f"{engine.url}/health", timeout=self.config.timeout)
             ok = response.status_code == 200
@@ -64,8 +66,12 @@ class HealthChecker:
         if ok and (engine.card is None or not engine.healthy):
             await self.refresh_card(engine)
         was_checked = engine.checked
-        if engine.record_check(ok, unhealthy_after=self.config.unhealthy_after,
-                               healthy_after=self.config.healthy_after, error=error) or not was_checked:
+        if (
+            engine.record_check(
+                ok, unhealthy_after=self.config.unhealthy_after, healthy_after=self.config.healthy_after, error=error
+            )
+            or not was_checked
+        ):
             if engine.healthy:
                 log.info("engine %s for model %s is healthy", engine.id, engine.model)
             else:
@@ -85,5 +91,10 @@ class HealthChecker:
                 engine.card = card
                 return
         served = [c.get("id") for c in cards if isinstance(c, dict)]
-        log.warning("engine %s serves %s, not %r: requests for %r will fail there",
-                    engine.id, served, engine.model, engine.model)
+        log.warning(
+            "engine %s serves %s, not %r: requests for %r will fail there",
+            engine.id,
+            served,
+            engine.model,
+            engine.model,
+        )

@@ -1,46 +1,38 @@
-"""Which replica of a model gets a request: pure functions, no I/O, no clocks.
+"""Which replica of a model gets a request: pure functions over `Engine`s, no I/O, no clocks.
 
-Default: the healthy replica with the fewest outstanding requests (ties broken by a rotating
-turn, so equal replicas share the load). A request with an affinity key (a session id, the
-OpenAI `user` field, or the beginning of its prompt) prefers one replica, chosen by
-rendezvous hashing: every (key, replica) pair gets a score and the highest score wins, so a
-key keeps its replica while replicas come and go, and only the keys of a vanished replica
-move. The preference is a preference: a replica that already has `max_imbalance` more
-outstanding requests than the least loaded one is passed over for the next one in the key's
-order, so one hot prefix or session cannot pile everything onto one engine.
+A request with an affinity key (a session id, the OpenAI `user` field, or the beginning of its
+prompt) prefers one replica, chosen by rendezvous hashing: every (key, replica) pair gets a
+score and the highest score wins, so a key keeps its replica while replicas come and go, and
+only the keys of a vanished replica move. The preference is a preference: a replica that already
+has `max_imbalance` more outstanding requests than the least loaded one is passed over for the
+next one in the key's order, so one hot prefix or session cannot pile everything onto one engine.
+
+Without a key, or when every preferred replica is too busy, the configured policy decides (one
+function per policy, below `choose`). Default: the healthy replica with the fewest outstanding
+requests, ties broken by a rotating turn, so equal replicas share the load.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Sequence
-from typing import Any, Literal, Protocol, TypeVar
+from collections.abc import Collection, Mapping, Sequence
+from typing import Literal, assert_never
 
+from server.gateway.engines.engine import Engine
+
+# The policies by name, as `routing.policy` in the gateway config (server.gateway.settings) takes them.
 Policy = Literal["least_outstanding", "round_robin"]
 
 
-class Candidate(Protocol):
-    id: str
-    healthy: bool
-    outstanding: int
-
-
-C = TypeVar("C", bound=Candidate)
-
-
-def _score(key: bytes, engine_id: str) -> int:
-    digest = hashlib.blake2b(key, digest_size=8, key=engine_id.encode()[:64]).digest()
-    return int.from_bytes(digest, "big")
-
-
-def rendezvous_order(key: bytes, engines: Sequence[C]) -> list[C]:
-    """`engines` from most to least preferred for `key` (highest random weight first)."""
-    key = hashlib.blake2b(key, digest_size=16).digest()  # long prefixes are hashed once
-    return sorted(engines, key=lambda e: (_score(key, e.id), e.id), reverse=True)
-
-
-def choose(engines: Sequence[C], *, key: bytes | None = None, max_imbalance: int = 8, turn: int = 0,
-           policy: Policy = "least_outstanding", exclude: Collection[C] = ()) -> C | None:
+def choose(
+    engines: Sequence[Engine],
+    *,
+    key: bytes | None = None,
+    max_imbalance: int = 8,
+    turn: int = 0,
+    policy: Policy = "least_outstanding",
+    exclude: Collection[Engine] = (),
+) -> Engine | None:
     """The replica for one request, or None when no healthy replica is left.
 
     `turn` is a counter the caller advances per request (tie-breaking and round robin);
@@ -49,35 +41,77 @@ def choose(engines: Sequence[C], *, key: bytes | None = None, max_imbalance: int
     live = [e for e in engines if e.healthy and e not in exclude]
     if not live:
         return None
-    least = min(e.outstanding for e in live)
     if key is not None:
+        least = min(e.outstanding for e in live)
         for engine in rendezvous_order(key, live):
             if engine.outstanding - least < max_imbalance:
                 return engine
-    if policy == "round_robin":
-        return live[turn % len(live)]
+    return by_policy(policy, live, turn)
+
+
+# -- policies: one function each, choosing among live replicas -----------------------------------
+# A new policy is a function here, a `case` in `by_policy` and its name in `Policy`. One that reads
+# the engines' own figures (`engine.metrics.kv_usage`, `.waiting`, `.prefix_hits_tokens`, kept
+# current by the scraper) belongs here too; they are None until a scrape succeeds. State that is
+# not one engine's (a prefix index fed by KV events) lives in its own module of this package and
+# is passed in; this module stays pure.
+
+
+def by_policy(policy: Policy, live: Sequence[Engine], turn: int) -> Engine:
+    """The replica `policy` picks among `live` (not empty)."""
+    match policy:
+        case "least_outstanding":
+            return least_outstanding(live, turn)
+        case "round_robin":
+            return round_robin(live, turn)
+    assert_never(policy)
+
+
+def least_outstanding(live: Sequence[Engine], turn: int) -> Engine:
+    """The replica with the fewest outstanding requests; the turn rotates among equals."""
+    least = min(e.outstanding for e in live)
     ties = [e for e in live if e.outstanding == least]
     return ties[turn % len(ties)]
 
 
-def _text_of(content: Any) -> str:
+def round_robin(live: Sequence[Engine], turn: int) -> Engine:
+    """Each replica in turn, whatever its load."""
+    return live[turn % len(live)]
+
+
+# -- affinity ----------------------------------------------------------------------------------
+
+
+def _score(key: bytes, engine_id: str) -> int:
+    digest = hashlib.blake2b(key, digest_size=8, key=engine_id.encode()[:64]).digest()
+    return int.from_bytes(digest, "big")
+
+
+def rendezvous_order(key: bytes, engines: Sequence[Engine]) -> list[Engine]:
+    """`engines` from most to least preferred for `key` (highest random weight first)."""
+    key = hashlib.blake2b(key, digest_size=16).digest()  # long prefixes are hashed once
+    return sorted(engines, key=lambda e: (_score(key, e.id), e.id), reverse=True)
+
+
+def _text_of(content: object) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # content parts: keep the text ones
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        return "".join(text for p in content if isinstance(p, dict) and isinstance(text := p.get("text"), str))
     return ""
 
 
-def prompt_prefix(body: dict[str, Any], limit: int) -> str:
+def prompt_prefix(body: Mapping[str, object], limit: int) -> str:
     """The first `limit` characters of what the engine will see first: the prompt or the messages."""
     prompt = body.get("prompt")
     if prompt is not None:
         if isinstance(prompt, list):
             prompt = prompt[0] if prompt else ""
         return prompt[:limit] if isinstance(prompt, str) else repr(prompt)[:limit]
+    messages = body.get("messages")
     parts: list[str] = []
     size = 0
-    for message in body.get("messages") or ():
+    for message in messages if isinstance(messages, list) else ():
         if not isinstance(message, dict):
             break
         text = f"\x1e{message.get('role', '')}\x1f{_text_of(message.get('content'))}"
@@ -88,8 +122,9 @@ def prompt_prefix(body: dict[str, Any], limit: int) -> str:
     return "".join(parts)[:limit]
 
 
-def affinity_key(body: dict[str, Any], *, session: str | None, prefix_affinity: bool, prefix_chars: int,
-                 prefix_min_chars: int) -> bytes | None:
+def affinity_key(
+    body: Mapping[str, object], *, session: str | None, prefix_affinity: bool, prefix_chars: int, prefix_min_chars: int
+) -> bytes | None:
     """The key a request should stick to: session header, then `user`, then its prompt's prefix."""
     if session:
         return b"s\x00" + session.encode()

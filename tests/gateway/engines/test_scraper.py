@@ -1,4 +1,5 @@
-"""Engine metrics: parsing a real vLLM 0.32 /metrics page, the collector's output, scraping."""
+"""Engine metrics: parsing a real vLLM 0.32 /metrics page, scraping it onto the Engine, and what the
+gateway's /metrics then shows."""
 
 from __future__ import annotations
 
@@ -14,18 +15,14 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from server.gateway.engines.scraper import (
-    EngineMetricsScraper,
-    EngineSnapshot,
-    ScrapeTarget,
-    parse_engine_metrics,
-)
-from server.gateway.observability.metrics import GatewayMetrics
+from server.gateway.engines.collector import EngineCollector
+from server.gateway.engines.engine import Engine, EngineMetrics
+from server.gateway.engines.scraper import EngineMetricsScraper, parse_engine_metrics
 from tests.support import free_port, serve_in_thread
 
 # Captured from the real engine (vLLM 0.32.0, tiny model) after a few requests, two of them with
-# a shared 300-token prompt so the prefix cache had hits.
-VLLM_TEXT = (Path(__file__).parent / "data" / "vllm-0.32-metrics.txt").read_text()
+# a shared 300-token prompt so the prefix cache had hits. (The dashboard tests read it too.)
+VLLM_TEXT = (Path(__file__).resolve().parents[2] / "metrics" / "data" / "vllm-0.32-metrics.txt").read_text()
 
 
 def scrape(registry: CollectorRegistry) -> dict[tuple[str, frozenset], float]:
@@ -37,8 +34,15 @@ def scrape(registry: CollectorRegistry) -> dict[tuple[str, frozenset], float]:
     }
 
 
-def engine_labels(engine: str = "e0", model: str = "tiny") -> frozenset:
+def engine_labels(engine: str, model: str = "tiny") -> frozenset:
     return frozenset({"model": model, "engine": engine}.items())
+
+
+def watched(*engines: Engine) -> CollectorRegistry:
+    """A fresh registry showing `engines` as the gateway's /metrics does."""
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engines))
+    return registry
 
 
 def expected_from_text(text: str, name: str) -> float:
@@ -52,7 +56,7 @@ def expected_from_text(text: str, name: str) -> float:
 
 def test_parse_saved_vllm_page():
     snap = parse_engine_metrics(VLLM_TEXT)
-    assert snap.kv_usage_ratio == expected_from_text(VLLM_TEXT, "vllm:kv_cache_usage_perc")
+    assert snap.kv_usage == expected_from_text(VLLM_TEXT, "vllm:kv_cache_usage_perc")
     assert snap.prefix_queries_tokens == expected_from_text(
         VLLM_TEXT, "vllm:prefix_cache_queries_total"
     )
@@ -80,14 +84,14 @@ def test_old_names_are_a_fallback_and_renamed_metrics_are_absent():
         'vllm:gpu_prefix_cache_queries_total{model_name="m"} 10\n'
     )
     snap = parse_engine_metrics(old)
-    assert snap.kv_usage_ratio == 0.25 and snap.prefix_queries_tokens == 10
+    assert snap.kv_usage == 0.25 and snap.prefix_queries_tokens == 10
     assert snap.running is None and snap.prefix_hits_tokens is None
     # The current name wins when both are present.
     both = old + 'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n'
-    assert parse_engine_metrics(both).kv_usage_ratio == 0.5
+    assert parse_engine_metrics(both).kv_usage == 0.5
     # A page where everything we know was renamed: nothing, and no error.
     renamed = VLLM_TEXT.replace("vllm:", "vllm_v2:")
-    assert parse_engine_metrics(renamed) == EngineSnapshot()
+    assert parse_engine_metrics(renamed) == EngineMetrics()
 
 
 def test_data_parallel_ranks_are_summed_and_usage_averaged():
@@ -99,7 +103,7 @@ def test_data_parallel_ranks_are_summed_and_usage_averaged():
     )
     snap = parse_engine_metrics(text)
     assert snap.running == 3
-    assert snap.kv_usage_ratio == pytest.approx(0.3)
+    assert snap.kv_usage == pytest.approx(0.3)
     assert snap.kv_capacity_tokens == 200
 
 
@@ -126,25 +130,26 @@ async def wait_for(predicate, timeout: float = 10.0) -> None:
 
 async def test_collector_exports_the_snapshot_and_marks_engine_up(fake_engine):
     url, _ = fake_engine
-    registry = CollectorRegistry()
-    target = ScrapeTarget("tiny", "e0", url, planned_kv_tokens=900_000)
+    engine = Engine("tiny", url, planned_kv_tokens=900_000)
+    registry = watched(engine)
+    labels = engine_labels(engine.id)
     async with httpx.AsyncClient() as client:
-        scraper = EngineMetricsScraper([target], client=client, registry=registry, interval=60)
+        scraper = EngineMetricsScraper([engine], client=client, interval=60)
         got = scrape(registry)
         # Before the first scrape: down, planned capacity known, nothing from the engine.
-        assert got[("gateway_engine_up", engine_labels())] == 0
-        assert got[("gateway_engine_kv_cache_planned_tokens", engine_labels())] == 900_000
-        assert ("gateway_engine_kv_cache_usage_ratio", engine_labels()) not in got
+        assert got[("gateway_engine_up", labels)] == 0
+        assert got[("gateway_engine_kv_cache_planned_tokens", labels)] == 900_000
+        assert ("gateway_engine_kv_cache_usage_ratio", labels) not in got
         await scraper.start()
         try:
-            await wait_for(lambda: scraper.state("e0").up)
+            await wait_for(lambda: engine.metrics_up)
         finally:
             await scraper.aclose()
     got = scrape(registry)
     snap = parse_engine_metrics(VLLM_TEXT)
     expected = {
         "gateway_engine_up": 1,
-        "gateway_engine_kv_cache_usage_ratio": snap.kv_usage_ratio,
+        "gateway_engine_kv_cache_usage_ratio": snap.kv_usage,
         "gateway_engine_prefix_cache_queries_total": snap.prefix_queries_tokens,
         "gateway_engine_prefix_cache_hits_total": snap.prefix_hits_tokens,
         "gateway_engine_requests_running": snap.running,
@@ -154,55 +159,42 @@ async def test_collector_exports_the_snapshot_and_marks_engine_up(fake_engine):
         "gateway_engine_kv_cache_planned_tokens": 900_000,
     }
     for name, value in expected.items():
-        assert got[(name, engine_labels())] == value, name
-    assert got[("gateway_engine_last_scrape_timestamp_seconds", engine_labels())] > 1.6e9
+        assert got[(name, labels)] == value, name
+    assert got[("gateway_engine_last_scrape_timestamp_seconds", labels)] > 1.6e9
     # Nothing of ours carries vLLM's prefix.
     assert not any(name.startswith("vllm") for name, _ in got)
 
 
 async def test_failed_scrape_marks_down_and_drops_stale_values(fake_engine):
     url, page = fake_engine
-    registry = CollectorRegistry()
+    engine = Engine("tiny", url)
+    registry = watched(engine)
+    labels = engine_labels(engine.id)
     async with httpx.AsyncClient() as client:
-        scraper = EngineMetricsScraper(
-            [ScrapeTarget("tiny", "e0", url, None)], client=client, registry=registry
-        )
-        state = scraper.state("e0")
-        await scraper.scrape_once(state)
-        assert state.up
-        last_scrape = ("gateway_engine_last_scrape_timestamp_seconds", engine_labels())
+        scraper = EngineMetricsScraper([engine], client=client)
+        await scraper.scrape_once(engine)
+        assert engine.metrics_up
+        last_scrape = ("gateway_engine_last_scrape_timestamp_seconds", labels)
         good_time = scrape(registry)[last_scrape]
         broken = 'vllm:num_requests_running{engine="0" 1\n'  # a line we read, not parsable
         for status, text in ((500, "oops"), (200, broken)):
             page.update(status=status, text=text)
-            await scraper.scrape_once(state)  # must not raise
+            await scraper.scrape_once(engine)  # must not raise
             got = scrape(registry)
-            assert got[("gateway_engine_up", engine_labels())] == 0
-            assert ("gateway_engine_kv_cache_usage_ratio", engine_labels()) not in got
+            assert got[("gateway_engine_up", labels)] == 0
+            assert ("gateway_engine_kv_cache_usage_ratio", labels) not in got
             # The last good scrape's time stays, so "down since" is visible.
             assert got[last_scrape] == good_time
         # A page without any metric we know (all renamed upstream) is an engine that answers:
         # up, with those series absent.
         page.update(status=200, text=VLLM_TEXT.replace("vllm:", "vllm_v2:"))
-        await scraper.scrape_once(state)
+        await scraper.scrape_once(engine)
         got = scrape(registry)
-        assert got[("gateway_engine_up", engine_labels())] == 1
-        assert ("gateway_engine_kv_cache_usage_ratio", engine_labels()) not in got
+        assert got[("gateway_engine_up", labels)] == 1
+        assert ("gateway_engine_kv_cache_usage_ratio", labels) not in got
         page.update(status=200, text=VLLM_TEXT)
-        await scraper.scrape_once(state)
-        assert ("gateway_engine_kv_cache_usage_ratio", engine_labels()) in scrape(registry)
-
-
-async def test_collector_shares_the_gateway_registry_and_refuses_duplicates():
-    metrics = GatewayMetrics()
-    target = ScrapeTarget("tiny", "e0", "http://127.0.0.1:9", None)
-    async with httpx.AsyncClient() as client:
-        EngineMetricsScraper([target], client=client, registry=metrics.registry)
-        metrics.request_started("tiny")
-        names = {name for name, _ in scrape(metrics.registry)}
-        assert {"gateway_engine_up", "gateway_requests_in_flight"} <= names
-        with pytest.raises(ValueError, match="Duplicated timeseries"):
-            EngineMetricsScraper([target], client=client, registry=metrics.registry)
+        await scraper.scrape_once(engine)
+        assert ("gateway_engine_kv_cache_usage_ratio", labels) in scrape(registry)
 
 
 async def test_dead_engines_are_marked_down_without_holding_up_others(fake_engine):
@@ -214,30 +206,23 @@ async def test_dead_engines_are_marked_down_without_holding_up_others(fake_engin
     hang.bind(("127.0.0.1", 0))
     hang.listen(16)  # never accepted, never answered
     hanging = f"http://127.0.0.1:{hang.getsockname()[1]}"
-    registry = CollectorRegistry()
-    targets = [
-        ScrapeTarget("tiny", "live", url, None),
-        ScrapeTarget("tiny", "refused", refused, None),
-        ScrapeTarget("tiny", "hanging", hanging, None),
-    ]
+    live, dead, hung = Engine("tiny", url), Engine("tiny", refused), Engine("tiny", hanging)
+    registry = watched(live, dead, hung)
     try:
         async with httpx.AsyncClient() as client:
-            scraper = EngineMetricsScraper(
-                targets, client=client, registry=registry, interval=0.05, timeout=30.0
-            )
+            scraper = EngineMetricsScraper([live, dead, hung], client=client, interval=0.05, timeout=30.0)
             await scraper.start()
             try:
-                live, dead, hung = (scraper.state(n) for n in ("live", "refused", "hanging"))
-                await wait_for(lambda: live.scrapes >= 5 and dead.last_error is not None)
+                await wait_for(lambda: live.scrapes >= 5 and dead.scrape_error is not None)
                 # While the hanging engine's first scrape is still outstanding:
-                assert hung.scrapes == 1 and hung.last_error is None
+                assert hung.scrapes == 1 and hung.scrape_error is None
                 for _ in range(3):  # the loop and the client still serve other requests
                     assert (await client.get(url + "/metrics")).status_code == 200
                 got = scrape(registry)  # a gateway scrape does no I/O, so it does not wait either
-                assert got[("gateway_engine_up", engine_labels("live"))] == 1
-                assert got[("gateway_engine_up", engine_labels("refused"))] == 0
-                assert got[("gateway_engine_up", engine_labels("hanging"))] == 0
-                assert hung.scrapes == 1 and hung.last_error is None
+                assert got[("gateway_engine_up", engine_labels(live.id))] == 1
+                assert got[("gateway_engine_up", engine_labels(dead.id))] == 0
+                assert got[("gateway_engine_up", engine_labels(hung.id))] == 0
+                assert hung.scrapes == 1 and hung.scrape_error is None
             finally:
                 await scraper.aclose()  # cancels the hanging scrape too
             assert all(task.done() for task in scraper._tasks) and not scraper._tasks
@@ -250,28 +235,26 @@ async def test_hanging_engine_times_out_to_down():
     hang.bind(("127.0.0.1", 0))
     hang.listen(4)
     try:
-        registry = CollectorRegistry()
-        target = ScrapeTarget("tiny", "e0", f"http://127.0.0.1:{hang.getsockname()[1]}", None)
+        engine = Engine("tiny", f"http://127.0.0.1:{hang.getsockname()[1]}")
+        registry = watched(engine)
         async with httpx.AsyncClient() as client:
-            scraper = EngineMetricsScraper(
-                [target], client=client, registry=registry, interval=0.2, timeout=0.2
-            )
-            await scraper.scrape_once(scraper.state("e0"))
-        assert "Timeout" in scraper.state("e0").last_error
-        assert scrape(registry)[("gateway_engine_up", engine_labels())] == 0
+            scraper = EngineMetricsScraper([engine], client=client, interval=0.2, timeout=0.2)
+            await scraper.scrape_once(engine)
+        assert "Timeout" in engine.scrape_error
+        assert scrape(registry)[("gateway_engine_up", engine_labels(engine.id))] == 0
     finally:
         hang.close()
 
 
 @pytest.mark.engine
 async def test_scrape_real_engine(real_engine):
-    registry = CollectorRegistry()
-    target = ScrapeTarget(real_engine.model, "e0", real_engine.url, None)
+    engine = Engine(real_engine.model, real_engine.url)
+    registry = watched(engine)
     async with httpx.AsyncClient() as client:
-        scraper = EngineMetricsScraper([target], client=client, registry=registry)
-        await scraper.scrape_once(scraper.state("e0"))
+        scraper = EngineMetricsScraper([engine], client=client)
+        await scraper.scrape_once(engine)
     got = scrape(registry)
-    labels = engine_labels(model=real_engine.model)
+    labels = engine_labels(engine.id, model=real_engine.model)
     assert got[("gateway_engine_up", labels)] == 1
     assert 0 <= got[("gateway_engine_kv_cache_usage_ratio", labels)] <= 1
     assert got[("gateway_engine_kv_cache_capacity_tokens", labels)] > 0

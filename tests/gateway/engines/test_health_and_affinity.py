@@ -115,12 +115,18 @@ def test_prefix_affinity_sends_a_shared_long_prefix_to_one_engine(engines, gatew
 
 
 def test_affinity_yields_to_load_beyond_max_imbalance(engines, gateway):
-    a, b = engines(2, ttft_ms=1500, itl_ms=1, tokens=2)
+    # Slow enough that all 8 run at once when a busy machine starts them late; under the 5 s first-byte timeout.
+    a, b = engines(2, ttft_ms=3000, itl_ms=1, tokens=2)
     gw = gateway(fast_settings({"standin": [a.url, b.url]}, routing={"max_imbalance": 2}))
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(post, gw, chat_body(), **{"x-session-id": "hot"}) for _ in range(8)]
-        wait_for(lambda: a.stats()["running"] + b.stats()["running"] == 8, timeout=10)
-        running = sorted([a.stats()["running"], b.stats()["running"]])
+        running: list[int] = []
+
+        def all_running() -> bool:  # read once: on a busy machine some may finish before a second read
+            running[:] = sorted([a.stats()["running"], b.stats()["running"]])
+            return sum(running) == 8
+
+        wait_for(all_running, timeout=20)
         for future in futures:
             future.result()
     # Unbounded affinity would put all 8 on one engine; the bound keeps them within 2 of each other.

@@ -3,20 +3,29 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from typing import get_args
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from server.gateway.engines.routing import affinity_key, choose, prompt_prefix, rendezvous_order
+from server.gateway.engines.engine import Engine
+from server.gateway.engines.routing import (
+    Policy,
+    affinity_key,
+    by_policy,
+    choose,
+    prompt_prefix,
+    rendezvous_order,
+)
 
 
-@dataclass(eq=False)
-class E:
-    id: str
-    outstanding: int = 0
-    healthy: bool = True
+def E(id: str, outstanding: int = 0, healthy: bool = True) -> Engine:
+    """The engine the pool would hold for `http://{id}` (its id is `id`), in the given state."""
+    engine = Engine("m", f"http://{id}")
+    engine.outstanding, engine.healthy = outstanding, healthy
+    assert engine.id == id
+    return engine
 
 
 def test_least_outstanding_wins():
@@ -41,6 +50,12 @@ def test_unhealthy_and_excluded_engines_are_never_chosen():
 def test_round_robin_ignores_load():
     engines = [E("a", 9), E("b", 0)]
     assert [choose(engines, policy="round_robin", turn=t).id for t in range(4)] == ["a", "b", "a", "b"]
+
+
+def test_every_policy_name_the_config_accepts_has_a_policy():
+    engines = [E("a", 1), E("b", 0)]
+    for policy in get_args(Policy):
+        assert by_policy(policy, engines, turn=0) in engines
 
 
 def test_affinity_prefers_the_same_engine_whatever_the_load_within_the_bound():

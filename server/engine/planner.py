@@ -194,6 +194,8 @@ class Plan:
     sliding_window: int | None
     sliding_window_layers: int
     weights_bytes: int | None
+    # A GPU plan that holds no sequence at max-model-len: the smallest tensor-parallel size that would.
+    min_tensor_parallel_size: int | None
     layers: int
     kv_heads: int
     head_dim: int
@@ -231,6 +233,11 @@ def load_model_config(profile: Profile) -> tuple[dict[str, Any], Path]:
     for path in candidates:
         if path.is_file():
             return json.loads(path.read_text()), path
+    if profile.build_tiny_model and profile.model_path is not None:
+        # Not built yet (the first `make run` builds it): its shape is known without building it.
+        from server.engine.tinymodel import MODEL_SHAPE
+
+        return {"model_type": "llama", "torch_dtype": "bfloat16", **MODEL_SHAPE}, profile.model_path / "config.json"
     raise PlanError(
         f"no config.json for {profile.model}: looked at " + ", ".join(str(c) for c in candidates)
         + (" (build the tiny model first: python -m server tiny-model)" if profile.build_tiny_model else "")
@@ -268,6 +275,9 @@ def plan_profile(profile: Profile, device_memory: int | None = None,
             source = (f"{gpus} GPU x ({device_memory / GiB:.0f} GiB x {profile.gpu_memory_utilization}"
                       f" - weights {weights / gpus / GiB:.1f} GiB - overhead {GPU_OVERHEAD_BYTES / GiB:.1f} GiB)")
     blocks, tokens, sequences = capacity(layout, kv_memory, profile.block_size, max_len)
+    min_tp = None
+    if profile.device != "cpu" and device_memory is not None and sequences < 1:
+        min_tp = smallest_tensor_parallel(layout, profile, device_memory, weights or 0, max_len)
     return Plan(
         profile=profile.name, model=profile.model, attention=layout.attention,
         kv_cache_dtype=profile.kv_cache_dtype, kv_bytes_per_token=layout.bytes_per_token,
@@ -278,8 +288,21 @@ def plan_profile(profile: Profile, device_memory: int | None = None,
         blocks_per_sequence=blocks_per_sequence(layout, profile.block_size, max_len),
         max_concurrent_sequences=sequences, sliding_window=layout.sliding_window,
         sliding_window_layers=layout.sliding_window_layers, weights_bytes=weights,
-        layers=layout.layers, kv_heads=layout.kv_heads, head_dim=layout.head_dim,
+        min_tensor_parallel_size=min_tp, layers=layout.layers, kv_heads=layout.kv_heads, head_dim=layout.head_dim,
     )
+
+
+def smallest_tensor_parallel(layout: KvLayout, profile: Profile, device_memory: int, weights: int,
+                             max_len: int, limit: int = 64) -> int | None:
+    """The smallest tensor-parallel size (pipeline size as in the profile) whose KV cache holds one
+    sequence of `max_len` tokens, or None if even `limit` GPUs do not."""
+    for tp in range(1, limit + 1):
+        gpus = tp * profile.pipeline_parallel_size
+        per_gpu = device_memory * profile.gpu_memory_utilization - weights / gpus - GPU_OVERHEAD_BYTES
+        _, _, sequences = capacity(layout, int(max(per_gpu, 0) * gpus), profile.block_size, max_len)
+        if sequences >= 1:
+            return tp
+    return None
 
 
 def format_plan(plan: Plan) -> str:
@@ -306,6 +329,10 @@ def format_plan(plan: Plan) -> str:
                      f"{plan.sliding_window:,} tokens")
     if plan.weights_bytes is not None:
         lines.append(f"weights (est.)     {size(plan.weights_bytes)}")
+    if plan.max_concurrent_sequences < 1:
+        lines.append(f"does not fit       not one sequence of {plan.max_model_len:,} tokens: "
+                     + (f"needs tensor-parallel-size >= {plan.min_tensor_parallel_size}"
+                        if plan.min_tensor_parallel_size else "more GPUs than 64, or a lower max-model-len"))
     return "\n".join(lines)
 
 

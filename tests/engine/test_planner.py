@@ -126,3 +126,39 @@ def test_plan_command_json(capsys):
     assert {"kv_bytes_per_token", "kv_cache_tokens", "max_concurrent_sequences"} <= data.keys()
     assert cli_main(["plan", "chat-fp8"]) == 2
     assert "--device-memory" in capsys.readouterr().err
+
+
+def _profile_file(tmp_path, text: str):
+    path = tmp_path / f"p{len(list(tmp_path.iterdir()))}.yaml"
+    path.write_text(text)
+    return load_profile(path)
+
+
+def test_a_model_too_big_for_one_gpu_names_the_smallest_tensor_parallel_size(tmp_path, capsys):
+    profile = _profile_file(tmp_path, "name: big\nmodel: meta-llama/Meta-Llama-3-70B-Instruct\nserved_model_name: big\ndevice: gpu\n"
+                                      "vllm:\n  max-model-len: 8192\n")
+    plan = plan_profile(profile, parse_size("141GiB"))
+    assert plan.max_concurrent_sequences == 0
+    tp = plan.min_tensor_parallel_size
+    assert tp is not None and tp >= 2
+    # The size it names does hold a sequence, and one less does not.
+    bigger = _profile_file(tmp_path, "name: big\nmodel: meta-llama/Meta-Llama-3-70B-Instruct\nserved_model_name: big\ndevice: gpu\n"
+                                     f"vllm:\n  max-model-len: 8192\n  tensor-parallel-size: {tp}\n")
+    assert plan_profile(bigger, parse_size("141GiB")).max_concurrent_sequences >= 1
+    if tp > 2:
+        smaller = _profile_file(tmp_path, "name: big\nmodel: meta-llama/Meta-Llama-3-70B-Instruct\nserved_model_name: big\ndevice: gpu\n"
+                                          f"vllm:\n  max-model-len: 8192\n  tensor-parallel-size: {tp - 1}\n")
+        assert plan_profile(smaller, parse_size("141GiB")).max_concurrent_sequences == 0
+    assert cli_main(["plan", str(profile.source), "--device-memory", "141GiB"]) == 0
+    assert f"needs tensor-parallel-size >= {tp}" in capsys.readouterr().out
+    assert plan_profile(load_profile(profiles_dir() / "chat-fp8.yaml"),
+                        parse_size("80GiB")).min_tensor_parallel_size is None
+
+
+def test_the_tiny_model_plans_before_it_is_built(tmp_path):
+    profile = _profile_file(tmp_path, "name: t\nmodel: ./not-built-yet\nserved_model_name: tiny\n"
+                                      "build_tiny_model: true\ndevice: cpu\nenv:\n  VLLM_CPU_KVCACHE_SPACE: '1'\n")
+    assert not (tmp_path / "not-built-yet").exists()
+    plan = plan_profile(profile)
+    assert plan.kv_bytes_per_token == 2 * 2 * 2 * 64 * 2  # K and V x 2 layers x 2 KV heads x 64 dims x bf16
+    assert plan.kv_cache_tokens == 1_048_576

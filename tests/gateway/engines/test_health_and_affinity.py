@@ -3,23 +3,15 @@
 from __future__ import annotations
 
 import concurrent.futures
-import time
 
 import httpx
 
 from tests.gateway.conftest import chat_body, fast_settings
-
-
-def wait_for(predicate, timeout: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.02)
+from tests.support import wait_for
 
 
 def post(gw, body, **headers):
-    response = httpx.post(f"{gw.url}/v1/chat/completions", json=body, headers=headers, timeout=10)
+    response = httpx.post(f"{gw.url}/v1/chat/completions", json=body, headers=headers, timeout=30)
     assert response.status_code == 200, response.text
     return response
 
@@ -77,7 +69,7 @@ def _run(coro, gw):
     import asyncio
 
     loop = gw.state.health._task.get_loop()
-    asyncio.run_coroutine_threadsafe(coro, loop).result(timeout=5)
+    asyncio.run_coroutine_threadsafe(coro, loop).result(timeout=30)
 
 
 def test_session_affinity_keeps_a_session_on_one_engine(engines, gateway):
@@ -115,18 +107,19 @@ def test_prefix_affinity_sends_a_shared_long_prefix_to_one_engine(engines, gatew
 
 
 def test_affinity_yields_to_load_beyond_max_imbalance(engines, gateway):
-    # Slow enough that all 8 run at once when a busy machine starts them late; under the 5 s first-byte timeout.
-    a, b = engines(2, ttft_ms=3000, itl_ms=1, tokens=2)
-    gw = gateway(fast_settings({"standin": [a.url, b.url]}, routing={"max_imbalance": 2}))
+    # The engines hold every request until released: all 8 are in flight when the split is read,
+    # however late a busy machine starts them.
+    a, b = engines(2, ttft_ms=1, itl_ms=1, tokens=2)
+    for engine in (a, b):
+        engine.faults(hold=True)
+    gw = gateway(fast_settings({"standin": [a.url, b.url]}, routing={"max_imbalance": 2},
+                               timeouts={"first_byte": 60}))
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(post, gw, chat_body(), **{"x-session-id": "hot"}) for _ in range(8)]
-        running: list[int] = []
-
-        def all_running() -> bool:  # read once: on a busy machine some may finish before a second read
-            running[:] = sorted([a.stats()["running"], b.stats()["running"]])
-            return sum(running) == 8
-
-        wait_for(all_running, timeout=20)
+        wait_for(lambda: a.stats()["held"] + b.stats()["held"] == 8)
+        running = sorted([a.stats()["running"], b.stats()["running"]])
+        for engine in (a, b):
+            httpx.post(f"{engine.url}/_standin/release", timeout=10).raise_for_status()
         for future in futures:
             future.result()
     # Unbounded affinity would put all 8 on one engine; the bound keeps them within 2 of each other.

@@ -3,7 +3,6 @@ gateway's /metrics then shows."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from starlette.routing import Route
 from server.gateway.engines.collector import EngineCollector
 from server.gateway.engines.engine import Engine, EngineMetrics
 from server.gateway.engines.scraper import EngineMetricsScraper, parse_engine_metrics
-from tests.support import free_port, serve_in_thread
+from tests.support import async_wait_for, serve_in_thread
 
 # Captured from the real engine (vLLM 0.32.0, tiny model) after a few requests, two of them with
 # a shared 300-token prompt so the prefix cache had hits. (The dashboard tests read it too.)
@@ -120,14 +119,6 @@ def fake_engine():
         yield url, page
 
 
-async def wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise TimeoutError("condition not reached")
-        await asyncio.sleep(0.01)
-
-
 async def test_collector_exports_the_snapshot_and_marks_engine_up(fake_engine):
     url, _ = fake_engine
     engine = Engine("tiny", url, planned_kv_tokens=900_000)
@@ -142,7 +133,7 @@ async def test_collector_exports_the_snapshot_and_marks_engine_up(fake_engine):
         assert ("gateway_engine_kv_cache_usage_ratio", labels) not in got
         await scraper.start()
         try:
-            await wait_for(lambda: engine.metrics_up)
+            await async_wait_for(lambda: engine.metrics_up)
         finally:
             await scraper.aclose()
     got = scrape(registry)
@@ -201,7 +192,9 @@ async def test_dead_engines_are_marked_down_without_holding_up_others(fake_engin
     """A refused connection and an engine that accepts but never answers: both end up down, and
     meanwhile the live engine is scraped again and again and the loop serves other requests."""
     url, _ = fake_engine
-    refused = f"http://127.0.0.1:{free_port()}"
+    refuse = socket.socket()
+    refuse.bind(("127.0.0.1", 0))  # bound, never listening: refused, and no other process can serve it
+    refused = f"http://127.0.0.1:{refuse.getsockname()[1]}"
     hang = socket.socket()
     hang.bind(("127.0.0.1", 0))
     hang.listen(16)  # never accepted, never answered
@@ -210,10 +203,11 @@ async def test_dead_engines_are_marked_down_without_holding_up_others(fake_engin
     registry = watched(live, dead, hung)
     try:
         async with httpx.AsyncClient() as client:
-            scraper = EngineMetricsScraper([live, dead, hung], client=client, interval=0.05, timeout=30.0)
+            # The hanging scrape's timeout far outlasts the wait below, however busy the machine.
+            scraper = EngineMetricsScraper([live, dead, hung], client=client, interval=0.05, timeout=300.0)
             await scraper.start()
             try:
-                await wait_for(lambda: live.scrapes >= 5 and dead.scrape_error is not None)
+                await async_wait_for(lambda: live.scrapes >= 5 and dead.scrape_error is not None)
                 # While the hanging engine's first scrape is still outstanding:
                 assert hung.scrapes == 1 and hung.scrape_error is None
                 for _ in range(3):  # the loop and the client still serve other requests
@@ -228,6 +222,7 @@ async def test_dead_engines_are_marked_down_without_holding_up_others(fake_engin
             assert all(task.done() for task in scraper._tasks) and not scraper._tasks
     finally:
         hang.close()
+        refuse.close()
 
 
 async def test_hanging_engine_times_out_to_down():

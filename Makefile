@@ -11,7 +11,7 @@ CONFIG ?= configs/gateway.yaml
 PROFILE ?= configs/profiles/tiny-cpu.yaml
 PYTEST_ARGS ?=
 
-.PHONY: help install run engine tiny-model test test-fast test-busy bench loadtest up down up-cpu down-cpu compose compose-cpu prometheus clean
+.PHONY: help install run engine tiny-model test test-fast test-busy bench loadtest up down up-cpu down-cpu compose compose-cpu helm-values prometheus clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -69,6 +69,9 @@ compose: install ## Regenerate docker/compose.yaml + prometheus.yml from configs
 
 compose-cpu: install ## Regenerate docker/compose.cpu.yaml + prometheus.cpu.yml from configs/gateway.yaml
 	$(BIN)/python -m server compose --config configs/gateway.yaml --output docker/compose.cpu.yaml
+
+helm-values: install ## Regenerate charts/values.gpu.yaml (the Helm chart's engines and models) from configs/gateway.gpu.yaml
+	$(BIN)/python -m server helm-values --config configs/gateway.gpu.yaml --output charts/values.gpu.yaml
 
 # `down` reads the whole compose file, whose Grafana password has no default: any value will do.
 up: ## docker compose up on a GPU host (needs GRAFANA_ADMIN_PASSWORD; HF_TOKEN for gated models)

@@ -26,6 +26,7 @@ examples:
   python -m server engine configs/profiles/tiny-cpu.yaml --port 8100
   python -m server up                                  # engines + gateway on :8000
   python -m server serve --upstream tiny=http://127.0.0.1:8100
+  python -m server helm-values --config configs/gateway.gpu.yaml   # values for charts/llm-serving
 """
 
 Run = Callable[[argparse.Namespace], int]
@@ -85,6 +86,15 @@ def compose(config: Path, *, output: Path | None, check: bool) -> int:
 
     settings = load_settings(config)  # the whole file, as the gateway will read it
     return renderer.compose(settings.models, config=config, output=output, check=check)
+
+
+def helm_values(config: Path, *, output: Path | None, check: bool) -> int:
+    from server.deploy import helm
+    from server.gateway.settings import load_settings
+
+    settings = load_settings(config)  # the whole file, as the gateway will read it
+    return helm.helm_values(settings.models, config=config, shutdown_grace=settings.limits.shutdown_grace,
+                            output=output, check=check)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,6 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("compose", lambda a: compose(Path(a.config), output=Path(a.output) if a.output else None,
                                              check=a.check),
                 "Render docker/compose.yaml (and Prometheus targets) from a gateway config.")
+    p.add_argument("--config", default="configs/gateway.gpu.yaml")
+    p.add_argument("--output", default=None, help="write here instead of stdout")
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 if --output differs from a fresh rendering")
+
+    p = command("helm-values", lambda a: helm_values(Path(a.config), output=Path(a.output) if a.output else None,
+                                                     check=a.check),
+                "Render the Helm chart's values (charts/llm-serving) from a gateway config.")
     p.add_argument("--config", default="configs/gateway.gpu.yaml")
     p.add_argument("--output", default=None, help="write here instead of stdout")
     p.add_argument("--check", action="store_true",

@@ -21,6 +21,7 @@ FLAGS = {
     "up": ["--config", "--host", "--port"],
     "serve": ["--config", "--upstream", "--host", "--port"],
     "compose": ["--config", "--output", "--check"],
+    "helm-values": ["--config", "--output", "--check"],
 }
 
 

@@ -18,16 +18,14 @@ hosts) go to the gateway and Prometheus as they are.
 
 from __future__ import annotations
 
-import difflib
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from server.config import ModelEngines, read_mapping
+from server.deploy import files
 from server.deploy.plan import (
     SERVICE_PORT,
     DeploymentPlan,
@@ -70,13 +68,6 @@ START_PERIOD = {"gpu": "30m", "cpu": "10m"}
 
 # The one check both engine images can run: python is in both, curl in neither for sure.
 HEALTH_PROBE = "import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/health', timeout=5)"
-
-HEADER = """\
-# Generated from {config} by `{make}` (python -m server compose).
-# Do not edit by hand: change the profiles or {config} and regenerate;
-# `make test` fails while this file differs from a fresh rendering.
-"""
-
 
 class ComposeError(ValueError):
     """A gateway config that cannot be turned into a compose deployment, with the reason."""
@@ -322,62 +313,25 @@ def render_files(models: Sequence[ModelEngines], *, config: Path, output: Path) 
     variant = output.stem.removeprefix("compose")
     project = "llm-serving" + variant.replace(".", "-")
     make = "make compose" + ("-" + variant.lstrip(".") if variant else "")
-    header = HEADER.format(config=_display_path(config), make=make)
+    header = files.header(config, make=make, command="compose")
     if plan.gpu_count:
         header += f"# NVIDIA GPUs needed on this host: {plan.gpu_count}.\n"
     compose = render_compose(plan, project=project, compose_dir=compose_dir,
                              prometheus_file=prometheus_path.name, gateway_file=gateway_path.name)
     return {
-        output: header + _dump(compose),
-        gateway_path: header + _dump(render_gateway_config(plan, config, compose_dir)),
-        prometheus_path: header + _dump(render_prometheus(plan)),
+        output: header + files.dump(compose),
+        gateway_path: header + files.dump(render_gateway_config(plan, config, compose_dir)),
+        prometheus_path: header + files.dump(render_prometheus(plan)),
     }
-
-
-def _display_path(path: Path) -> str:
-    """A path as written in the header: relative to the checkout, so renderings match anywhere."""
-    root = Path(__file__).resolve().parents[2]
-    try:
-        return path.resolve().relative_to(root).as_posix()
-    except ValueError:
-        return path.as_posix()
-
-
-def _dump(data: dict[str, Any]) -> str:
-    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=100)
 
 
 def compose(models: Sequence[ModelEngines], *, config: Path, output: Path | None, check: bool) -> int:
     """`python -m server compose`: print, write (`output`) or `check` the rendered files."""
     target = output or Path("docker/compose.yaml")
     try:
-        files = render_files(models, config=config, output=target)
+        rendered = render_files(models, config=config, output=target)
     except ComposeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if check:
-        return _check(files)
-    if output is None:
-        sys.stdout.write(files[target])
-        return 0
-    for path, text in files.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        print(f"wrote {path}", file=sys.stderr)
-    return 0
-
-
-def _check(files: dict[Path, str]) -> int:
-    drift = False
-    for path, text in files.items():
-        current = path.read_text() if path.exists() else ""
-        if current != text:
-            drift = True
-            sys.stderr.writelines(difflib.unified_diff(
-                current.splitlines(keepends=True), text.splitlines(keepends=True),
-                fromfile=f"{path} (committed)", tofile=f"{path} (fresh rendering)"))
-    if drift:
-        print("error: out of date; run `make compose` / `make compose-cpu` and commit",
-              file=sys.stderr)
-        return 1
-    return 0
+    return files.emit(rendered, main=target, write=output is not None, check=check,
+                      regenerate="`make compose` / `make compose-cpu`")

@@ -29,17 +29,16 @@ def serve_until_sigterm(*args: str) -> tuple[int, list[dict], httpx.Response]:
     Returns the exit code, the JSON log lines and the answer to the request.
     """
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "server", "serve", *args, "--port", str(port)],
-                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/ready", timeout=30)
-        response = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT, timeout=10)
-        process.send_signal(signal.SIGTERM)
-        output, _ = process.communicate(timeout=20)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
+    with subprocess.Popen([sys.executable, "-m", "server", "serve", *args, "--port", str(port)],
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
+        try:
+            wait_http(f"http://127.0.0.1:{port}/ready", timeout=30)
+            response = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT, timeout=10)
+            process.send_signal(signal.SIGTERM)
+            output, _ = process.communicate(timeout=20)
+        finally:
+            if process.poll() is None:
+                process.kill()
     lines = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
     return process.returncode, lines, response
 

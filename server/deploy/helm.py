@@ -1,0 +1,136 @@
+"""`python -m server helm-values`: the Helm chart's values, rendered from a gateway config.
+
+The chart (charts/llm-serving) holds the Kubernetes objects; what runs comes from here, out of
+the same deployment plan and engine renderer as `up` and compose: one engine Deployment per
+profile model (its vLLM arguments from `server.engine.render.engine_argv`, its GPUs tensor x
+pipeline parallel), and the gateway's models, each pointing at its engines' Service or at the
+URLs the config names. The operator's other gateway settings (timeouts, routing, auth, ...)
+go into the gateway's ConfigMap as written.
+
+`charts/values.gpu.yaml` is rendered from configs/gateway.gpu.yaml (`make helm-values`);
+`helm install llm charts/llm-serving -f charts/values.gpu.yaml` deploys it.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from server.config import ModelEngines, read_mapping
+from server.deploy import files
+from server.deploy.compose import (
+    HF_HOME,
+    START_PERIOD,
+    TINY_MODEL_IN_IMAGE,
+    VLLM_CPU_IMAGE,
+    VLLM_GPU_IMAGE,
+)
+from server.deploy.plan import (
+    SERVICE_PORT,
+    DeploymentPlan,
+    PlannedModel,
+    plan_deployment,
+    slug,
+)
+from server.engine.profiles import Profile
+from server.engine.render import engine_argv
+
+# Seconds an engine may take to answer /health after it starts: a model download and load.
+STARTUP_SECONDS = {device: int(period.removesuffix("m")) * 60 for device, period in START_PERIOD.items()}
+# The gateway's settings the chart sets itself (it listens on the pod's port; models are its engines).
+CHART_OWNED_KEYS = ("host", "port", "models")
+
+
+class HelmError(ValueError):
+    """A config that cannot be deployed with the chart, with the reason."""
+
+
+def model_argument(profile: Profile) -> str | None:
+    """What the engine container is told to load: a hub id as it is, the tiny model of the CPU image."""
+    if profile.model_path is None:
+        return None
+    if profile.build_tiny_model and profile.device == "cpu":
+        return TINY_MODEL_IN_IMAGE
+    raise HelmError(f"{profile.name}: a model folder on this machine cannot reach a Kubernetes pod; "
+                    "name a hub id (`model: org/name`) in the profile")
+
+
+def engine_values(model: PlannedModel) -> dict[str, Any]:
+    """One engine Deployment: the profile's replicas, image, vLLM arguments, GPUs and start-up time."""
+    profile = model.profile
+    assert profile is not None and model.engines
+    gpus = len(model.engines[0].gpus)
+    return {
+        "name": slug(model.name),
+        "model": model.name,
+        "profile": profile.name,
+        "device": profile.device,
+        "replicas": len(model.engines),
+        "image": VLLM_GPU_IMAGE if profile.device == "gpu" else VLLM_CPU_IMAGE,
+        "args": engine_argv(profile, host="0.0.0.0", port=SERVICE_PORT, launcher="image",
+                            model=model_argument(profile)),
+        "env": {"HF_HOME": HF_HOME, **profile.env},
+        "gpus": gpus,
+        "startupSeconds": STARTUP_SECONDS[profile.device],
+    }
+
+
+def gateway_model(model: PlannedModel) -> dict[str, Any]:
+    """One `models:` entry of the gateway: its engines' Service (the chart names it) or its URLs."""
+    entry: dict[str, Any] = {"name": model.name}
+    if model.engines:
+        entry["engine"] = slug(model.name)
+    else:
+        entry["urls"] = list(model.remote)
+    entry["trimming"] = model.trimming.model_dump(exclude_none=True)
+    return entry
+
+
+def render_values(plan: DeploymentPlan, *, config: Path, shutdown_grace: float) -> dict[str, Any]:
+    """The chart values for a plan (engines, and the gateway's config and models)."""
+    engines: list[dict[str, Any]] = []
+    for model in plan.models:
+        if not model.engines:
+            continue
+        if any(e["model"] == model.name for e in engines):
+            raise HelmError(f"model {model.name!r} comes from two profile entries; in Kubernetes "
+                            "one Deployment serves it: set `replicas` in its profile instead")
+        engines.append(engine_values(model))
+    if not plan.models:
+        raise HelmError("the config names no model to serve")
+    settings = {key: value for key, value in read_mapping(config).items() if key not in CHART_OWNED_KEYS}
+    return {
+        "engines": engines,
+        "gateway": {
+            "shutdownGraceSeconds": math.ceil(shutdown_grace),
+            "config": settings,
+            "models": [gateway_model(model) for model in plan.models],
+        },
+    }
+
+
+def render_file(models: Sequence[ModelEngines], *, config: Path, shutdown_grace: float) -> str:
+    """The values file's text: a header that says where it comes from, then the values."""
+    plan = plan_deployment(models, config=config, placement="services")
+    values = render_values(plan, config=config, shutdown_grace=shutdown_grace)
+    header = files.header(config, make="make helm-values", command="helm-values")
+    gpus = sum(e["gpus"] * e["replicas"] for e in values["engines"])
+    if gpus:
+        header += f"# NVIDIA GPUs requested in the cluster: {gpus}.\n"
+    return header + files.dump(values)
+
+
+def helm_values(models: Sequence[ModelEngines], *, config: Path, shutdown_grace: float,
+                output: Path | None, check: bool) -> int:
+    """`python -m server helm-values`: print, write (`output`) or `check` the values file."""
+    target = output or Path("charts/values.gpu.yaml")
+    try:
+        text = render_file(models, config=config, shutdown_grace=shutdown_grace)
+    except HelmError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return files.emit({target: text}, main=target, write=output is not None, check=check,
+                      regenerate="`make helm-values`")

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
+from tests.engine.test_engine_e2e import alive, descendants
 from tests.standin import StandinConfig, build_app
-from tests.support import free_port, serve_in_thread, wait_http
+from tests.support import free_port, serve_in_thread, wait_for, wait_http
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST_ENGINE = StandinConfig(ttft_ms=2.0, itl_ms=1.0, tokens=6)
@@ -91,3 +94,39 @@ def test_serve_with_a_config_expects_a_profile_models_engines_on_its_planned_por
     assert code == 0
     access = [line for line in lines if line.get("logger") == "gateway.access"]
     assert access[0]["engine"] == f"127.0.0.1:{port}"
+
+
+@pytest.mark.engine
+def test_up_starts_the_planned_engines_serves_in_front_and_stops_them_on_sigterm(tmp_path):
+    """`up` end to end on the real tiny engine: the engine on the plan's port, the gateway in front,
+    and on SIGTERM the gateway drains, then every engine process is gone."""
+    engine_port, gateway_port = free_port(), free_port()
+    config = tmp_path / "gateway.yaml"
+    config.write_text(f"models:\n  - profile: {ROOT / 'configs/profiles/tiny-cpu.yaml'}\n"
+                      f"    base_port: {engine_port}\nlimits:\n  shutdown_grace: 5\n")
+    log = tmp_path / "up.log"
+    with log.open("w") as out, subprocess.Popen(
+            [sys.executable, "-m", "server", "up", "--config", str(config), "--port", str(gateway_port)],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True) as process:
+        try:
+            wait_http(f"http://127.0.0.1:{gateway_port}/ready", timeout=420)
+            httpx.get(f"http://127.0.0.1:{engine_port}/health", timeout=5).raise_for_status()
+            answer = httpx.post(f"http://127.0.0.1:{gateway_port}/v1/chat/completions", timeout=60, json={
+                "model": "tiny", "max_tokens": 4, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "hello"}]})
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["usage"]["completion_tokens"] == 4
+            tree = descendants(process.pid)
+            assert tree, "expected the engine's processes under `up`"
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=120) == 0, log.read_text()[-4000:]
+            wait_for(lambda: not [pid for pid in tree if alive(pid)], interval=0.1,
+                     what=lambda: f"still alive: {[pid for pid in tree if alive(pid)]}")
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert f"engine tiny:{engine_port} ready at http://127.0.0.1:{engine_port}" in text, text[-4000:]
+    assert "stopping 1 engine(s)" in text
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{engine_port}/health", timeout=2)

@@ -1,12 +1,15 @@
 """Refuse, before anything starts, a profile that cannot run on this host, and say why.
 
 A vLLM engine that cannot work usually says so only after 40 s of imports (fp8 KV cache on an
-AVX2 CPU) or not at all (a max-model-len the KV memory cannot hold). These checks run in a
-second, at `python -m server check` and before every launch.
+AVX2 CPU, a tool-call or reasoning parser it does not know) or not at all (a max-model-len the KV
+memory cannot hold). These checks run in a second, at `python -m server check` and before every
+launch.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import os
 import platform
 import shutil
@@ -89,6 +92,8 @@ def check_profile(profile: Profile, host: HostInfo | None = None) -> list[str]:
             problems.append(f"tensor x pipeline parallel size is {gpus_needed} GPUs; this host has "
                             f"{host.gpu_count}")
 
+    problems += check_parsers(profile)
+
     path = profile.model_path
     if path is not None and not path.exists() and not profile.build_tiny_model:
         problems.append(f"model path {path} does not exist")
@@ -111,6 +116,119 @@ def check_profile(profile: Profile, host: HostInfo | None = None) -> list[str]:
             f"cannot hold one sequence of max-model-len {plan.max_model_len:,} tokens; raise "
             "VLLM_CPU_KVCACHE_SPACE or lower max-model-len"
         )
+    return problems
+
+
+@dataclass(frozen=True)
+class ParserNames:
+    """The names `--tool-call-parser` and `--reasoning-parser` accept in the installed vLLM."""
+
+    tool: frozenset[str]
+    reasoning: frozenset[str]
+
+
+# Where vLLM keeps its name -> (file, class) tables; vLLM's own registries are filled from them.
+_PARSER_TABLES = {
+    "tool": ("tool_parsers/__init__.py", "_TOOL_PARSERS_TO_REGISTER"),
+    "reasoning": ("reasoning/__init__.py", "_REASONING_PARSERS_TO_REGISTER"),
+}
+
+
+def installed_parser_names() -> ParserNames | None:
+    """The parser names the installed vLLM registers, or None without vLLM (or when its files
+    no longer hold the tables this reads).
+
+    Read from the package's source with `ast`: importing vLLM's registries takes about 20 s
+    (they pull in torch), this takes milliseconds.
+    """
+    try:
+        spec = importlib.util.find_spec("vllm")  # a top-level package: found, not imported
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return parser_names_in(Path(next(iter(spec.submodule_search_locations))))
+
+
+def parser_names_in(package: Path) -> ParserNames | None:
+    """The parser names registered by the vLLM package at `package` (its folder)."""
+    names = {}
+    for kind, (relative, table) in _PARSER_TABLES.items():
+        try:
+            tree = ast.parse((package / relative).read_text())
+        except (OSError, SyntaxError, ValueError):
+            return None
+        found = _dict_keys(tree, table)
+        if not found:
+            return None
+        names[kind] = found
+    return ParserNames(tool=names["tool"], reasoning=names["reasoning"])
+
+
+def _dict_keys(tree: ast.Module, variable: str) -> frozenset[str]:
+    """The string keys of a module-level `variable = {...}` literal."""
+    for node in tree.body:
+        value: ast.expr | None
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign):
+            targets, value = [node.target], node.value
+        else:
+            continue
+        if any(isinstance(t, ast.Name) and t.id == variable for t in targets) and isinstance(value, ast.Dict):
+            return frozenset(k.value for k in value.keys
+                             if isinstance(k, ast.Constant) and isinstance(k.value, str))
+    return frozenset()
+
+
+def plugin_parser_names(plugin: Path) -> frozenset[str]:
+    """Names a parser plugin file registers: the string (or list of strings) given to
+    `register_module(...)` or `register_lazy_module(...)` (as decorator or call)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(plugin.read_text())):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in {"register_module", "register_lazy_module"}):
+            continue
+        given = [kw.value for kw in node.keywords if kw.arg == "name"] or node.args[:1]
+        for value in given:
+            items = value.elts if isinstance(value, (ast.List, ast.Tuple)) else [value]
+            names.update(i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str))
+    return frozenset(names)
+
+
+def check_parsers(profile: Profile, names: ParserNames | None = None) -> list[str]:
+    """Tool-call and reasoning parsers that vLLM would refuse only after its imports (or,
+    for auto tool choice without a parser, at argument parsing). `names` defaults to the
+    installed vLLM's; without vLLM installed, unknown names cannot be told and pass."""
+    flags = profile.vllm
+    problems: list[str] = []
+    if flags.get("enable-auto-tool-choice") is True and not flags.get("tool-call-parser"):
+        problems.append("enable-auto-tool-choice needs tool-call-parser (the parser that reads "
+                        "the model's tool calls, e.g. hermes, llama3_json, mistral)")
+    names = names if names is not None else installed_parser_names()
+    for kind, flag in (("tool", "tool-call-parser"), ("reasoning", "reasoning-parser")):
+        value = flags.get(flag)
+        if value is None or value == "":
+            continue
+        if not isinstance(value, str):
+            problems.append(f"{flag}: expected a parser name, got {value!r}")
+            continue
+        if names is None:
+            continue
+        known = set(getattr(names, kind))
+        plugin = flags.get(f"{kind}-parser-plugin")
+        if isinstance(plugin, str) and plugin:
+            plugin_path = Path(plugin)
+            if not plugin_path.is_absolute() and profile.source is not None:
+                plugin_path = profile.source.parent / plugin_path
+            try:
+                known |= plugin_parser_names(plugin_path)
+            except (OSError, SyntaxError, ValueError) as exc:
+                problems.append(f"{kind}-parser-plugin {plugin} cannot be read ({exc})")
+                continue
+        if value not in known:
+            problems.append(f"{flag} {value!r} is not a {kind} parser the installed vLLM knows; "
+                            "valid names: " + ", ".join(sorted(known)))
     return problems
 
 

@@ -1,7 +1,9 @@
 """The project's tiny model: a real Llama-architecture checkpoint vLLM serves, built offline.
 
 Random weights (seeded, so every build is the same), a byte-level BPE tokenizer trained here
-on a fixed text, and a ChatML chat template that also renders tool calls. Its answers are
+on a fixed text, and a ChatML chat template that renders tool calls the way Hermes and Qwen2.5
+models write them (`<tool_call>`, a line of `{"name": ..., "arguments": {...}}`, `</tool_call>`),
+which is what vLLM's `hermes` tool-call parser reads back from the model's output. Its answers are
 gibberish; every part of serving around it (tokenizer, chat template, paged KV cache, prefix
 cache, scheduler, metrics) is the real thing.
 """
@@ -36,10 +38,10 @@ CHAT_TEMPLATE = (
     "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
     "{% if message['tool_calls'] is defined and message['tool_calls'] %}"
     "{% for call in message['tool_calls'] %}"
-    "{{ '\\n<tool_call>' + call['function']['name'] + ' ' }}"
+    "{{ '\\n<tool_call>\\n{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": ' }}"
     "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
     "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}"
-    "{{ '</tool_call>' }}{% endfor %}{% endif %}"
+    "{{ '}\\n</tool_call>' }}{% endfor %}{% endif %}"
     "{{ '<|im_end|>\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
@@ -58,10 +60,23 @@ Numbers and times: 09:30, 12:45, 18:00, 2 km, 15 minutes, 3 stops, 120 euros, 4.
 """ * 4
 
 
-def build_tiny_model(directory: str | Path, *, force: bool = False, log=print) -> Path:
-    """Write the tiny model to `directory` (skipped when a complete one is already there)."""
+def is_current(directory: str | Path) -> bool:
+    """True if `directory` holds a complete tiny model built with this file's chat template
+    (a model built before the template changed is rebuilt: the build is deterministic)."""
     directory = Path(directory)
-    if (directory / "config.json").exists() and (directory / "tokenizer.json").exists() and not force:
+    if not ((directory / "config.json").exists() and (directory / "tokenizer.json").exists()):
+        return False
+    try:
+        tok_config = json.loads((directory / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return tok_config.get("chat_template") == CHAT_TEMPLATE
+
+
+def build_tiny_model(directory: str | Path, *, force: bool = False, log=print) -> Path:
+    """Write the tiny model to `directory` (skipped when a current one is already there)."""
+    directory = Path(directory)
+    if is_current(directory) and not force:
         log(f"tiny model already at {directory}")
         return directory
 

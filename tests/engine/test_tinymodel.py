@@ -2,9 +2,11 @@
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 
+from server.engine.tinymodel import CHAT_TEMPLATE, is_current
 from tests.conftest import ROOT
 
 
@@ -45,5 +47,22 @@ def test_chat_template_keeps_roles_and_tool_calls(tmp_path):
     text = subprocess.run([sys.executable, "-c", RENDER, str(tmp_path / "m")], check=True, cwd=ROOT,
                           capture_output=True, text=True).stdout
     assert text == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
-                    "<|im_start|>assistant\n\n<tool_call>f {\"a\": 1}</tool_call><|im_end|>\n"
-                    "<|im_start|>tool\nr<|im_end|>\n<|im_start|>assistant\n")
+                    "<|im_start|>assistant\n\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n</tool_call>"
+                    "<|im_end|>\n<|im_start|>tool\nr<|im_end|>\n<|im_start|>assistant\n")
+    # The Hermes format that vLLM's `hermes` tool-call parser (the tiny profiles' parser) reads:
+    # one JSON object with `name` and `arguments` between the tags.
+    (call,) = re.findall(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL)
+    assert json.loads(call) == {"name": "f", "arguments": {"a": 1}}
+    assert is_current(tmp_path / "m")
+
+
+def test_a_model_built_with_another_template_is_not_current(tmp_path):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    assert not is_current(folder)
+    (folder / "config.json").write_text("{}")
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ old }}"}))
+    assert not is_current(folder)  # `python -m server tiny-model` rebuilds it
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    assert is_current(folder)

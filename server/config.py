@@ -9,13 +9,21 @@ ports itself. This module is shared by both sides and imports neither.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from server.engine.profiles import Profile, TrimmingConfig
 
@@ -24,23 +32,60 @@ class SettingsError(ValueError):
     """A config that cannot be used, with where and why."""
 
 
+_DNS_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?)*\.?")
+
+
+def parse_dns(target: str) -> tuple[str, int | None]:
+    """`name:port` (A/AAAA records: every address on that port) or `_service._proto.name` (SRV
+    records: each names a host and its port) -> (name, port or None); ValueError when neither."""
+    name, sep, port = target.rpartition(":")
+    if not sep:
+        name = target
+    if not _DNS_NAME.fullmatch(name):
+        raise ValueError(f"{target!r}: expected NAME:PORT or _SERVICE._PROTO.NAME (SRV)")
+    if sep:
+        if not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError(f"{target!r}: the port must be 1..65535")
+        return name, int(port)
+    if not name.startswith("_"):
+        raise ValueError(f"{target!r}: give the port (NAME:PORT), or an SRV name (_http._tcp.NAME)")
+    return name, None
+
+
 class ModelEngines(BaseModel):
-    """One `models:` entry. Give `profile` (engines started from it), or `urls` of running engines."""
+    """One `models:` entry. Give `profile` (engines started from it), `urls` of running engines,
+    or `dns`: names the gateway resolves every `discovery.interval` s for its engines' addresses."""
 
     model_config = ConfigDict(extra="forbid")
 
     name: str | None = None  # the served model name; from the profile when absent
     profile: str | None = None  # path relative to the config file
     urls: list[str] = Field(default_factory=list)  # where its engines run (none are started then)
+    # Engines found by DNS (server.gateway.engines.discovery): `engine-tiny.default.svc:8000`, one
+    # engine per address of the name (a headless Service, compose's `deploy.replicas`), or an SRV
+    # name `_http._tcp.engine-tiny.default.svc`; with a profile, it gives trimming and capacity only.
+    dns: list[str] = Field(default_factory=list)
     base_port: int | None = Field(default=None, ge=1, le=65535)  # first engine port for `up`
     trimming: TrimmingConfig | None = None  # overrides the profile's
 
+    @field_validator("dns", mode="before")
+    @classmethod
+    def _dns_names(cls, value: object) -> object:
+        names = [value] if isinstance(value, str) else value
+        if isinstance(names, list):
+            for name in names:
+                if isinstance(name, str):
+                    parse_dns(name)
+        return names
+
     @model_validator(mode="after")
     def _one_source(self) -> ModelEngines:
-        if not self.profile and not self.urls:
-            raise ValueError("give `profile` or `urls`")
+        if not self.profile and not self.urls and not self.dns:
+            raise ValueError("give `profile`, `urls` or `dns`")
+        if self.urls and self.dns:
+            raise ValueError("give `urls` or `dns`, not both")
         if not self.profile and not self.name:
-            raise ValueError("a model named by `urls` needs `name`")
+            raise ValueError("a model named by `urls` or `dns` needs `name`")
         return self
 
 
@@ -52,6 +97,7 @@ class ServedModel:
     urls: list[str]
     profile: Profile | None = None  # for max_model_len and the planned KV capacity
     trimming: TrimmingConfig = field(default_factory=lambda: TrimmingConfig(mode="off"))
+    dns: list[str] = field(default_factory=list)  # names resolved for more engines (ModelEngines.dns)
 
 
 def profile_path(entry: ModelEngines, config: Path | None) -> Path | None:

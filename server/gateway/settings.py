@@ -36,6 +36,15 @@ class HealthCheck(_Strict):
     healthy_after: int = Field(default=1, ge=1)  # consecutive successes that restore it
 
 
+class Discovery(_Strict):
+    """Engines found by DNS (a model's `dns`, server.gateway.engines.discovery)."""
+
+    interval: float = Field(default=5.0, gt=0)  # seconds between two resolutions of every name
+    timeout: float = Field(default=2.0, gt=0)  # for one lookup; a failed one keeps the engines known
+    # `host` or `host:port` of DNS servers to ask; empty: the system's (/etc/resolv.conf, search domains).
+    nameservers: list[str] = Field(default_factory=list)
+
+
 class Retries(_Strict):
     """Retries on another replica, only before the first byte reached the client."""
 
@@ -73,6 +82,7 @@ class GatewaySettings(_Strict):
     models: list[ModelEngines] = Field(default_factory=list)
     timeouts: Timeouts = Field(default_factory=Timeouts)
     health: HealthCheck = Field(default_factory=HealthCheck)
+    discovery: Discovery = Field(default_factory=Discovery)
     retries: Retries = Field(default_factory=Retries)
     routing: Routing = Field(default_factory=Routing)
     auth: Auth = Field(default_factory=Auth)

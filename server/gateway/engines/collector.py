@@ -99,11 +99,20 @@ FAMILIES = (
 class EngineCollector(Collector):
     """Yields the `gateway_engine_*` families from `engines` as they are now; does no I/O.
 
-    Register it on the gateway's registry: `registry.register(EngineCollector(pool.engines()))`.
+    Register it on the gateway's registry: `registry.register(EngineCollector(pool.engines()))`,
+    or `EngineCollector(pool.engines)` to read the engines at each collection (engines found by DNS).
     """
 
-    def __init__(self, engines: Iterable[Engine]) -> None:
-        self._engines = list(engines)
+    def __init__(self, engines: Iterable[Engine] | Callable[[], Iterable[Engine]]) -> None:
+        if callable(engines):
+            self._source = engines
+        else:
+            fixed = list(engines)
+            self._source = lambda: fixed
+
+    @property
+    def _engines(self) -> list[Engine]:
+        return list(self._source())
 
     def describe(self) -> Iterator[Metric]:
         for family in FAMILIES:

@@ -123,18 +123,34 @@ class EngineMetricsScraper:
         # Each engine has one task doing one scrape at a time, so a hanging engine cannot pile up
         # scrapes; the timeout only bounds how long it takes to be shown as down.
         self._timeout = httpx.Timeout(timeout)
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[Engine, asyncio.Task[None]] = {}
+        self._started = False
 
     async def start(self) -> None:
         """Start one background scraping task per engine; the first scrape starts at once."""
-        if not self._tasks:
-            self._tasks = [
-                asyncio.create_task(self._run(engine), name=f"scrape {engine.id}") for engine in self._engines
-            ]
+        if not self._started:
+            self._started = True
+            for engine in self._engines:
+                self.add(engine)
+
+    def add(self, engine: Engine) -> None:
+        """Scrape one more engine (one found by DNS); its task starts now if scraping has started."""
+        if engine not in self._engines:
+            self._engines.append(engine)
+        if self._started and engine not in self._tasks:
+            self._tasks[engine] = asyncio.create_task(self._run(engine), name=f"scrape {engine.id}")
+
+    def remove(self, engine: Engine) -> None:
+        """Stop scraping an engine that left (its task is cancelled, not awaited)."""
+        if engine in self._engines:
+            self._engines.remove(engine)
+        task = self._tasks.pop(engine, None)
+        if task is not None:
+            task.cancel()
 
     async def aclose(self) -> None:
         """Stop scraping; waits for the tasks to end."""
-        tasks, self._tasks = self._tasks, []
+        tasks, self._tasks, self._started = list(self._tasks.values()), {}, False
         for task in tasks:
             task.cancel()
         for task in tasks:

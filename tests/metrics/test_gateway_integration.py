@@ -54,8 +54,6 @@ def settled_samples(url: str, requests: int) -> dict[tuple[str, frozenset], floa
 
 @pytest.fixture
 def standin_url():
-    # Tokens 50 ms apart: the gateway observes a gap per chunk it reads, and tokens that arrive
-    # together (a starved reader) make one chunk.
     with serve_in_thread(build_app(StandinConfig(ttft_ms=TTFT_S * 1000, itl_ms=50, tokens=6))) as url:
         yield url
 
@@ -115,8 +113,10 @@ def test_ttft_once_per_stream_at_first_content_chunk_and_counters_by_status(stan
     assert streamed * TTFT_S <= ttft_sum < streamed * (TTFT_S + STALL_S)
     assert get(got, "gateway_time_to_first_token_seconds_bucket", model="standin", le="0.15") == 0
     assert get(got, "gateway_time_to_first_token_seconds_bucket", model="standin", le="2.0") == 2
-    # Five gaps between six tokens, per stream; the stall is one of them.
-    assert get(got, "gateway_inter_token_latency_seconds_count", model="standin") == streamed * 5
+    # Five gaps between six tokens, per stream; the stall is one of them. The gateway observes a gap
+    # per chunk it reads, so tokens a busy machine delivers in one read make one gap (seen: 5 of 10
+    # with two CPU hogs running): the stall's gap is always there, the others may merge.
+    assert streamed <= get(got, "gateway_inter_token_latency_seconds_count", model="standin") <= streamed * 5
     assert get(got, "gateway_inter_token_latency_seconds_sum", model="standin") >= streamed * STALL_S
     # Durations kept apart by stream kind.
     assert get(got, "gateway_request_duration_seconds_count", model="standin", stream="true") == 2

@@ -307,11 +307,11 @@ def test_the_gateway_config_map_is_a_config_the_gateway_loads(case, tmp_path):
         if "engine" in model:
             service = f"llm-llm-serving-{model['engine']}"
             assert service in services
-            expected.setdefault(model["name"], []).append(f"http://{service}:8000")
+            expected.setdefault(model["name"], []).append(f"dns {service}:8000")  # its headless Service
         else:
             expected.setdefault(model["name"], []).extend(model["urls"])
     served = plan_deployment(settings.models, config=path).served_models()
-    assert {m.name: m.urls for m in served} == expected
+    assert {m.name: m.urls + [f"dns {name}" for name in m.dns] for m in served} == expected
     assert not plan_deployment(settings.models, config=path).engines  # the gateway pod starts none
     for key, value in values["gateway"]["config"].items():
         assert getattr(settings, key).model_dump() == {**getattr(settings, key).model_dump(), **value}

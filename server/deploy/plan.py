@@ -9,7 +9,8 @@ in front of it cannot disagree on where an engine listens.
 - A profile entry becomes `profile.replicas` engines, numbered per model (a second entry with the
   same served name continues the numbering). An entry with `urls` names engines that run
   elsewhere, and none are started for it; its profile still gives trimming and capacity (the
-  gateway config compose renders is such a file). Entries of one served name are one model.
+  gateway config compose renders is such a file). So does an entry with `dns`: the gateway finds
+  its engines by resolving those names. Entries of one served name are one model.
 - Engines listen on this host, one port each (`placement="local"`: `base_port`, `base_port+1`,
   ...; an entry without `base_port` continues after the previous one, from 8100), or one container
   or pod each, reached by its service name on port 8000 (`placement="services"`).
@@ -92,8 +93,10 @@ class DeploymentPlan:
         for model in self.models:
             if model.name in out:
                 out[model.name].urls.extend(model.urls)
+                out[model.name].dns.extend(model.entry.dns)
             else:
-                out[model.name] = ServedModel(model.name, model.urls, model.profile, model.trimming)
+                out[model.name] = ServedModel(model.name, model.urls, model.profile, model.trimming,
+                                              dns=list(model.entry.dns))
         return list(out.values())
 
 
@@ -122,7 +125,7 @@ def plan_deployment(models: Sequence[ModelEngines], *, config: Path | None = Non
         remote = tuple(url.rstrip("/") for url in entry.urls)
         trimming = entry.trimming or (profile.trimming if profile else TrimmingConfig(mode="off"))
         engines: list[PlannedEngine] = []
-        if profile is not None and not remote:
+        if profile is not None and not remote and not entry.dns:
             base = entry.base_port or next_port
             for i in range(profile.replicas):
                 replica = replicas_of.get(name, 0)

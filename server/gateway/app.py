@@ -22,7 +22,9 @@ from server.gateway.edge.ops import GatewayState
 from server.gateway.edge.router import Gateway
 from server.gateway.engines.health import HealthChecker
 from server.gateway.engines.collector import EngineCollector
-from server.gateway.engines.pool import EnginePool
+from server.gateway.engines.discovery import DnsLookup, EngineDiscovery
+from server.gateway.engines.engine import Engine
+from server.gateway.engines.pool import EnginePool, planned_kv_tokens
 from server.gateway.engines.scraper import EngineMetricsScraper
 from server.gateway.observability.logs import log_request as default_log_request
 from server.gateway.observability.metrics import GatewayMetrics
@@ -77,16 +79,30 @@ def create_app(settings: GatewaySettings, models: Sequence[ServedModel], *,
 
     health = HealthChecker(upstreams, ops_client, settings.health)
     scraper = EngineMetricsScraper(upstreams.engines(), client=ops_client, interval=settings.metrics_scrape_interval)
-    metrics.registry.register(EngineCollector(upstreams.engines()))
+    metrics.registry.register(EngineCollector(upstreams.engines))
+
+    def engine_left(engine: Engine) -> None:
+        scraper.remove(engine)
+
+    async def engine_found(engine: Engine) -> None:
+        await health.check(engine)
+        scraper.add(engine)
+
+    discovery = EngineDiscovery(upstreams, models, DnsLookup(settings.discovery.nameservers,
+                                                             timeout=settings.discovery.timeout),
+                                interval=settings.discovery.interval, join=engine_found, leave=engine_left,
+                                planned_kv_tokens=lambda m: planned_kv_tokens(m.profile) if m.profile else None)
     timeout = httpx.Timeout(settings.timeouts.first_byte, connect=settings.timeouts.connect)
     trimming = HistoryTrimming(lookup=make_lookup(upstreams, client, settings.routing, timeout), metrics=metrics)
 
     async def startup() -> None:
+        await discovery.start()  # engines found by DNS join after their first health check
         await health.start()
         await scraper.start()
 
     async def shutdown() -> None:
         try:
+            await discovery.aclose()
             await scraper.aclose()
             await health.aclose()
         finally:

@@ -17,7 +17,7 @@ def test_upstreams_from_the_command_line():
 def test_a_model_entry_names_its_engines():
     with pytest.raises(ValueError, match="needs `name`"):
         ModelEngines(urls=["http://h:1"])  # a URL-only model needs a name
-    with pytest.raises(ValueError, match="give `profile` or `urls`"):
+    with pytest.raises(ValueError, match="give `profile`, `urls` or `dns`"):
         ModelEngines(name="m")
 
 

@@ -44,6 +44,18 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
         pass
 
 
+# vLLM's own drain (0.32: `--shutdown-timeout`): on SIGTERM it lets in-flight requests finish for
+# up to this many seconds (its default, 0, aborts them), within `stop`'s 20 s before SIGKILL.
+DRAIN_SECONDS = 15
+
+
+def with_drain(argv: list[str], profile: Profile) -> list[str]:
+    """`argv` with vLLM's drain on SIGTERM, unless the profile sets `shutdown-timeout` itself."""
+    if "shutdown-timeout" in profile.vllm:
+        return argv
+    return [*argv, "--shutdown-timeout", str(DRAIN_SECONDS)]
+
+
 class EngineSupervisor:
     """Start, watch, restart and stop one vLLM engine of a profile."""
 
@@ -57,7 +69,7 @@ class EngineSupervisor:
         self.max_restarts = max_restarts
         self.ready_timeout = ready_timeout
         self.health_interval = health_interval
-        self.argv = argv or engine_argv(profile, host=host, port=port)
+        self.argv = argv or with_drain(engine_argv(profile, host=host, port=port), profile)
         self.env = {**os.environ, **profile.env, "PYTHONUNBUFFERED": "1"}
         self.url = f"http://{host}:{port}"
         self.restarts = 0

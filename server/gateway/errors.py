@@ -3,8 +3,10 @@
     GatewayError                 status  type                   code
     ├── InvalidRequest            400    invalid_request_error  (per case: invalid_json, ...)
     ├── AuthenticationFailed      401    invalid_request_error  invalid_api_key
+    ├── PermissionDenied          403    invalid_request_error  permission_denied
     ├── RouteNotFound             404    invalid_request_error  not_found
     ├── ModelNotFound             404    invalid_request_error  model_not_found
+    ├── ResponseNotFound          404    invalid_request_error  response_not_found
     ├── MethodNotAllowed          405    invalid_request_error  method_not_allowed
     ├── BodyTooLarge              413    invalid_request_error  request_too_large
     ├── InternalError             500    server_error           internal_error
@@ -13,7 +15,9 @@
     └── UpstreamTimeout           504    timeout                upstream_timeout
 
 Errors that come from an engine are not in this hierarchy: they pass through with the
-engine's own status and body. `error_body` renders an error for a plain response and
+engine's own status and body, and a body that is not the OpenAI envelope (FastAPI's
+`{"detail": "Not Found"}` for an endpoint the engine does not serve, vLLM's `{"error":
+"Unauthorized"}`) is put in one by `engine_error_body`. `error_body` renders an error for a plain response and
 `stream_error_event` for a stream that has already begun (the HTTP status is then 200, so
 the error travels as an SSE event followed by `[DONE]`).
 """
@@ -68,6 +72,12 @@ class AuthenticationFailed(GatewayError):
     code = "invalid_api_key"
 
 
+class PermissionDenied(GatewayError):
+    status = 403
+    type = "invalid_request_error"
+    code = "permission_denied"
+
+
 class RouteNotFound(GatewayError):
     status = 404
     type = "invalid_request_error"
@@ -82,6 +92,14 @@ class ModelNotFound(GatewayError):
     def __init__(self, model: str, known: Iterable[str]) -> None:
         names = ", ".join(sorted(known)) or "none"
         super().__init__(f"The model `{echo(model)}` does not exist. Known models: {names}.", param="model")
+
+
+class ResponseNotFound(GatewayError):
+    """A stored response (Responses API) that no engine behind the gateway can answer for."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "response_not_found"
 
 
 class MethodNotAllowed(GatewayError):
@@ -127,6 +145,34 @@ class ClientDisconnected(Exception):
 
 def error_body(exc: GatewayError) -> bytes:
     return json.dumps(exc.envelope()).encode()
+
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
+          404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          422: "invalid_request_error", 429: "rate_limit_error"}
+_CODES = {401: "invalid_api_key", 403: "permission_denied", 404: "not_found", 405: "method_not_allowed",
+          413: "request_too_large", 422: "invalid_request", 429: "rate_limit_exceeded"}
+
+
+def engine_error_body(status: int, content: bytes) -> bytes | None:
+    """An engine's error answer in the OpenAI envelope, or None when it already is one.
+
+    The message is the engine's own (`detail`, or `error` when it is a string, or the body text)."""
+    try:
+        payload = json.loads(content) if content.strip() else None
+    except ValueError:
+        payload = None
+    if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
+        return None
+    message: object = content.decode("utf-8", "replace").strip()
+    if isinstance(payload, dict):
+        message = payload.get("detail", payload.get("error", message))
+    if not isinstance(message, str):
+        message = json.dumps(message)
+    envelope = {"error": {"message": message or f"The engine answered {status}.",
+                          "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+                          "param": None, "code": _CODES.get(status, "upstream_error" if status >= 500 else None)}}
+    return json.dumps(envelope).encode()
 
 
 def stream_error_event(exc: GatewayError) -> bytes:

@@ -68,10 +68,12 @@ class Auth(_Strict):
     api_keys_env: str = "GATEWAY_API_KEYS"  # comma-separated keys in this variable
     api_keys_file: str | None = None  # one key per line
     protect_ops_endpoints: bool = False  # /health, /ready, /metrics behind the key too
+    admin_keys_env: str = "GATEWAY_ADMIN_KEYS"  # comma-separated keys for runtime LoRA load/unload (none: off)
 
 
 class Limits(_Strict):
     max_body_bytes: int = Field(default=8 * 2**20, ge=1024)
+    max_upload_bytes: int = Field(default=25 * 2**20, ge=1024)  # multipart uploads (audio), OpenAI's own limit
     max_connections: int = Field(default=1024, ge=1)  # to each engine
     shutdown_grace: float = Field(default=30.0, ge=0)  # seconds for in-flight streams
 

@@ -2,7 +2,9 @@
 
 Keys come from an environment variable (comma-separated) and/or a file (one key a line, `#`
 comments). With no keys configured the gateway is open. `/health`, `/ready` and `/metrics`
-stay open unless `protect_ops_endpoints` is set, so probes and Prometheus need no key.
+stay open unless `protect_ops_endpoints` is set, so probes and Prometheus need no key. Admin
+endpoints (runtime LoRA load and unload) take their own keys (`admin_keys_env`) and are refused
+when there are none.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ import hmac
 import os
 from collections.abc import Mapping
 from pathlib import Path
+
 from server.gateway.errors import AuthenticationFailed
 from server.gateway.settings import Auth, SettingsError
+
 
 def load_api_keys(config: Auth, environ: Mapping[str, str] | None = None,
                   base: Path | None = None) -> list[bytes]:
@@ -42,6 +46,13 @@ def load_api_keys(config: Auth, environ: Mapping[str, str] | None = None,
             raise SettingsError(f"auth.api_keys_file {path}: holds no API key")
         keys += from_file
     return [k.encode() for k in dict.fromkeys(keys)]
+
+
+def load_admin_keys(config: Auth, environ: Mapping[str, str] | None = None) -> list[bytes]:
+    """The keys of the admin endpoints (runtime LoRA load/unload), from `config.admin_keys_env`."""
+    environ = os.environ if environ is None else environ
+    keys = [k.strip() for k in environ.get(config.admin_keys_env, "").split(",")]
+    return [k.encode() for k in dict.fromkeys(keys) if k]
 
 
 def key_matches(presented: bytes, keys: list[bytes]) -> bool:

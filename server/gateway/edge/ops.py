@@ -1,7 +1,7 @@
 """The gateway's own GET endpoints: the model list, liveness, readiness and Prometheus metrics.
 
-    GET /v1/models               the union of the engines' model cards
-    GET /v1/models/{id}          one card, or 404 model_not_found
+    GET /v1/models               the union of the engines' model cards: base models, then LoRA adapters
+    GET /v1/models/{id}          one card (a model or an adapter), or 404 model_not_found
     GET /health                  the gateway process is alive
     GET /ready                   every model has a healthy engine and the gateway is not draining
     GET /metrics                 Prometheus text (the gateway's and the engines' figures)
@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from server.gateway.engines import adapters
 from server.gateway.engines.pool import EnginePool
-from server.gateway.errors import RouteNotFound
+from server.gateway.errors import ModelNotFound, RouteNotFound
 from server.gateway.jsonio import dumps
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ Handler = Callable[[GatewayState, str], Awaitable[Answer]]
 
 async def list_models(state: GatewayState, path: str) -> Answer:
     cards = [pool.card() for pool in state.upstreams.models.values()]
+    cards += adapters.all_adapter_cards(state.upstreams)
     return Answer(200, dumps({"object": "list", "data": cards}))
 
 
@@ -58,7 +60,13 @@ async def get_model(state: GatewayState, path: str) -> Answer:
     model = path.removeprefix(MODELS_PREFIX)
     if not model:
         raise RouteNotFound("Not found.")
-    return Answer(200, dumps(state.upstreams.get(model).card()))
+    pools = state.upstreams
+    if model in pools.models:
+        return Answer(200, dumps(pools.get(model).card()))
+    for card in adapters.all_adapter_cards(pools):
+        if card.get("id") == model:
+            return Answer(200, dumps(card))
+    raise ModelNotFound(model, [*pools.models, *adapters.adapter_names(pools)])
 
 
 async def alive(state: GatewayState, path: str) -> Answer:

@@ -2,19 +2,30 @@
 
 `parse_request` turns the body bytes into a `GatewayRequest` (or refuses them with the OpenAI
 `param` named); history trimming and the proxy then work on that one object. A step that
-changes the body calls `replace_body`, which serialises it once for the engine.
+changes the body calls `replace_body`, which serialises it once for the engine. How the model is
+found depends on the endpoint (`Endpoint.model_from`): the JSON body's `model`, an upload form's
+`model` field, or (retrieve/cancel of a stored response) the response id in the path, which the
+router resolves to the engine that stored it (edge.targets).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl
 
 from server.gateway.edge.asgi import Headers, header_str
 from server.gateway.edge.checks import check_depth, missing, type_name, wrong_type
 from server.gateway.edge.endpoints import Endpoint
+from server.gateway.edge.forms import form_fields
 from server.gateway.errors import InvalidRequest
 from server.gateway.jsonio import dumps, loads
+
+if TYPE_CHECKING:
+    from server.gateway.engines.engine import Engine
+
+JSON = b"application/json"
+_FORM_FIELDS = frozenset({"model", "stream"})
 
 
 @dataclass(slots=True)
@@ -31,6 +42,11 @@ class GatewayRequest:
     response_headers: Headers = field(default_factory=list)  # steps add headers to the client's answer
     trimmed_messages: int | None = None  # what history trimming dropped, for the access log
     trimmed_tokens: int | None = None
+    path: str = ""  # on the engine, with the query string; the endpoint's path when empty
+    content_type: bytes = JSON  # sent to the engine (an upload keeps the client's, with its boundary)
+    response_id: str | None = None  # retrieve/cancel: the stored response the path names
+    pin: Engine | None = None  # the one replica that may answer (it stored the response asked for)
+    adapter: str | None = None  # `model` names this LoRA adapter of the pool's base model
 
     def header(self, name: bytes) -> str | None:
         return header_str(self.headers, name)
@@ -41,9 +57,45 @@ class GatewayRequest:
         self.raw = dumps(body)
 
 
-def parse_request(raw: bytes, endpoint: Endpoint, *, headers: Headers | None = None,
-                  request_id: str = "") -> GatewayRequest:
-    """Parse and check a body for `endpoint`; raises InvalidRequest naming the OpenAI `param`."""
+def parse_request(raw: bytes, endpoint: Endpoint, *, headers: Headers | None = None, request_id: str = "",
+                  path: str = "", query: bytes = b"", param: str = "") -> GatewayRequest:
+    """Parse and check a request for `endpoint`; raises InvalidRequest naming the OpenAI `param`.
+
+    `path` and `query` are the client's (for endpoints with a path parameter, `param` is its value)."""
+    headers = headers if headers is not None else []
+    if endpoint.model_from == "json":
+        request = _parse_json(raw, endpoint, headers, request_id)
+    elif endpoint.model_from == "form":
+        request = _parse_form(raw, endpoint, headers, request_id)
+    else:
+        request = GatewayRequest(endpoint=endpoint, model="", stream=False, body={}, raw=raw, headers=headers,
+                                 request_id=request_id, response_id=param)
+        request.stream = endpoint.streams and _query_flag(query, "stream")
+        if raw.strip():
+            request.content_type = (header_str(headers, b"content-type") or "application/json").encode("latin-1")
+    if path and (path != endpoint.path or query):
+        request.path = path + ("?" + query.decode("latin-1") if query else "")
+    return request
+
+
+def _query_flag(query: bytes, name: str) -> bool:
+    return any(key == name and value.lower() == "true" for key, value in parse_qsl(query.decode("latin-1")))
+
+
+def _parse_form(raw: bytes, endpoint: Endpoint, headers: Headers, request_id: str) -> GatewayRequest:
+    """An upload: the `model` (and `stream`) form fields; the body goes to the engine as it came."""
+    content_type = header_str(headers, b"content-type")
+    fields = form_fields(raw, content_type, _FORM_FIELDS)
+    model = fields.get("model")
+    if not model:
+        raise missing("model")
+    stream = endpoint.streams and fields.get("stream", "").strip().lower() == "true"
+    return GatewayRequest(endpoint=endpoint, model=model, stream=stream, body=dict(fields), raw=raw,
+                          headers=headers, request_id=request_id,
+                          content_type=(content_type or "").encode("latin-1"))
+
+
+def _parse_json(raw: bytes, endpoint: Endpoint, headers: Headers, request_id: str) -> GatewayRequest:
     if not raw.strip():
         raise InvalidRequest("The request body is empty; expected a JSON object.", code="invalid_json")
     try:
@@ -84,5 +136,5 @@ def parse_request(raw: bytes, endpoint: Endpoint, *, headers: Headers | None = N
     if user is not None and not isinstance(user, str):
         raise wrong_type("user", "a string", user)
 
-    return GatewayRequest(endpoint=endpoint, model=model, stream=stream, body=body, raw=raw,
-                          headers=headers if headers is not None else [], request_id=request_id)
+    return GatewayRequest(endpoint=endpoint, model=model, stream=stream, body=body, raw=raw, headers=headers,
+                          request_id=request_id)

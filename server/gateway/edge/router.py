@@ -1,8 +1,9 @@
 """The gateway's ASGI application: one router owns every endpoint.
 
     client ─► Gateway: request id, API key, route
-                ├─ POST in endpoints.ENDPOINTS ─► body read once ─► GatewayRequest ─► steps
-                │     (history trimming) ─► Proxy ─► transport ─► engine
+                ├─ endpoints.ENDPOINTS ─► body read once ─► GatewayRequest ─► pool and replica
+                │     (edge.targets: model, LoRA adapter, stored response) ─► steps (history
+                │     trimming) ─► Proxy ─► transport ─► engine   (LoRA load/unload: every replica)
                 └─ GET ops.ROUTES ─► /v1/models[/{id}], /health, /ready, /metrics
 Anything else is 404 (unknown path) or 405 (known path, wrong method), in the OpenAI error
 envelope like every other refusal; nothing redirects. Every response carries `x-request-id`.
@@ -18,12 +19,24 @@ from time import perf_counter
 from server.gateway.edge.asgi import Receive, Scope, Send, read_body, send_bytes
 from server.gateway.edge.auth import check_api_key
 from server.gateway.edge.context import request_id_from
-from server.gateway.edge.endpoints import BY_PATH, Endpoint
+from server.gateway.edge.endpoints import BY_PATH, Endpoint, known_path, match
 from server.gateway.edge.ops import OPEN_PATHS, GatewayState, find_route
 from server.gateway.edge.requests import GatewayRequest, parse_request
-from server.gateway.errors import ClientDisconnected, GatewayError, InternalError, MethodNotAllowed, \
-    RouteNotFound, send_error
-from server.gateway.observability.record import CLIENT_CLOSED, RequestRecord, RequestReporter
+from server.gateway.edge.targets import resolve
+from server.gateway.errors import (
+    ClientDisconnected,
+    GatewayError,
+    InternalError,
+    MethodNotAllowed,
+    PermissionDenied,
+    RouteNotFound,
+    send_error,
+)
+from server.gateway.observability.record import (
+    CLIENT_CLOSED,
+    RequestRecord,
+    RequestReporter,
+)
 from server.gateway.proxy.exchange import Proxy
 
 log = logging.getLogger("gateway")
@@ -38,7 +51,8 @@ class Gateway:
     def __init__(self, *, state: GatewayState, proxy: Proxy, reporter: RequestReporter,
                  steps: Sequence[RequestStep] = (), keys: list[bytes] | None = None, protect_ops: bool = False,
                  max_body_bytes: int = 32 * 2**20, endpoints: Mapping[str, Endpoint] = BY_PATH,
-                 startup: Hook | None = None, shutdown: Hook | None = None) -> None:
+                 startup: Hook | None = None, shutdown: Hook | None = None, admin_keys: list[bytes] | None = None,
+                 max_upload_bytes: int = 25 * 2**20) -> None:
         self.state = state
         self.proxy = proxy
         self.reporter = reporter
@@ -46,6 +60,8 @@ class Gateway:
         self.keys = keys or []
         self.protect_ops = protect_ops
         self.max_body_bytes = max_body_bytes
+        self.max_upload_bytes = max_upload_bytes  # multipart uploads (audio)
+        self.admin_keys = admin_keys or []  # runtime LoRA load/unload; with none, those are refused
         self.endpoints = endpoints
         self.startup = startup
         self.shutdown = shutdown
@@ -55,31 +71,42 @@ class Gateway:
             endpoint = self.endpoints.get(scope["path"])
             if endpoint is not None and scope["method"] == "POST":
                 await self._proxied(endpoint, scope, receive, send)
+            elif (found := match(scope["path"], scope["method"])) is not None:
+                await self._proxied(found[0], scope, receive, send, found[1])
             else:
                 await self._other(endpoint, scope, send)
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
 
-    async def _proxied(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _proxied(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send,
+                       param: str = "") -> None:
         headers = scope["headers"]
         rid = request_id_from(headers)
         id_header = [(b"x-request-id", rid.encode())]
         try:
-            check_api_key(headers, self.keys)
+            if endpoint.fan_out:
+                self._check_admin(headers)
+            else:
+                check_api_key(headers, self.keys)
         except GatewayError as exc:
             await send_error(send, exc, id_header)
             return
         record = RequestRecord(rid, endpoint.name, perf_counter())
         request: GatewayRequest | None = None
         try:
-            raw = await read_body(receive, headers, self.max_body_bytes)
-            request = parse_request(raw, endpoint, headers=headers, request_id=rid)
-            pool = self.state.upstreams.get(request.model)
+            limit = self.max_upload_bytes if endpoint.model_from == "form" else self.max_body_bytes
+            raw = await read_body(receive, headers, limit) if endpoint.method == "POST" else b""
+            request = parse_request(raw, endpoint, headers=headers, request_id=rid, path=scope["path"],
+                                    query=scope.get("query_string", b""), param=param)
+            pool = resolve(self.state.upstreams, request)
             self.reporter.open(record, request.model)
             record.stream = request.stream
             for step in self.steps:
                 await step(request)
-            await self.proxy.forward(request, pool, record, receive, send)
+            if endpoint.fan_out:
+                await self.proxy.broadcast(request, pool, record, send)
+            else:
+                await self.proxy.forward(request, pool, record, receive, send)
         except ClientDisconnected:
             record.status, record.error = CLIENT_CLOSED, "client disconnected"
         except GatewayError as exc:
@@ -102,6 +129,13 @@ class Gateway:
                 record.trimmed_messages, record.trimmed_tokens = request.trimmed_messages, request.trimmed_tokens
             self.reporter.finish(record)
 
+    def _check_admin(self, headers: list[tuple[bytes, bytes]]) -> None:
+        """Admin endpoints (runtime LoRA): the admin key, and refused outright when none is configured."""
+        if not self.admin_keys:
+            raise PermissionDenied("Runtime LoRA updates through the gateway are off: give it admin keys "
+                                   "(auth.admin_keys_env, GATEWAY_ADMIN_KEYS by default).")
+        check_api_key(headers, self.admin_keys)
+
     async def _other(self, endpoint: Endpoint | None, scope: Scope, send: Send) -> None:
         """The GET endpoints, and 404/405 for everything else."""
         headers = scope["headers"]
@@ -112,7 +146,7 @@ class Gateway:
                 check_api_key(headers, self.keys)
             route = find_route(path)
             if route is None:
-                if endpoint is not None:
+                if endpoint is not None or known_path(path):
                     raise MethodNotAllowed("Method not allowed on this endpoint.")
                 raise RouteNotFound(f"No such endpoint: {method} {path[:200]}")
             if method not in ("GET", "HEAD"):
@@ -133,7 +167,7 @@ class Gateway:
                 try:
                     if self.startup is not None:
                         await self.startup()
-                except Exception as exc:  # noqa: BLE001 - reported to the server, which exits
+                except Exception as exc:
                     log.exception("gateway start-up failed")
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
                     return

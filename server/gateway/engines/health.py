@@ -15,6 +15,7 @@ import logging
 
 import httpx
 
+from server.gateway.engines.adapters import adapter_cards
 from server.gateway.engines.engine import Engine
 from server.gateway.engines.pool import EnginePool
 from server.gateway.settings import HealthCheck
@@ -86,6 +87,7 @@ class HealthChecker:
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
             log.warning("engine %s: cannot read /v1/models: %s", engine.id, exc)
             return
+        engine.adapters = adapter_cards(cards, engine.model)  # LoRA adapters it serves (adapters.py)
         for card in cards:
             if isinstance(card, dict) and card.get("id") == engine.model:
                 engine.card = card

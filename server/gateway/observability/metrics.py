@@ -4,6 +4,11 @@ The gateway calls these methods on the hot path (`inter_token` once per streamed
 model's labelled children are looked up once and cached: a call is a dict lookup plus one
 `observe`/`inc`. Times are seconds measured with `time.perf_counter()` by the caller.
 
+Two families are labelled by endpoint (the name in edge.endpoints) instead of model:
+`gateway_endpoint_requests_total{endpoint, code}` and
+`gateway_endpoint_time_to_first_token_seconds{endpoint}`, so chat, Responses, embeddings and the
+rest can be told apart without multiplying every model series by every endpoint.
+
 Streaming and non-streaming requests are never mixed: time to first token exists only for
 streaming requests, and `gateway_request_duration_seconds` carries a `stream` label, so a
 non-streaming request's full-response time can never be mistaken for a first-token time.
@@ -129,6 +134,22 @@ class GatewayMetrics:
             ["model"],
             registry=reg,
         )
+        self._endpoint_requests = Counter(
+            "gateway_endpoint_requests",
+            "Requests answered, by endpoint (chat, responses, embeddings, ...) and HTTP status code.",
+            ["endpoint", "code"],
+            registry=reg,
+        )
+        self._endpoint_ttft = Histogram(
+            "gateway_endpoint_time_to_first_token_seconds",
+            "Streaming requests only, by endpoint: from arrival to the first token leaving the gateway "
+            "(chat: content; Responses: the first response.*.delta event).",
+            ["endpoint"],
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        )
+        self._by_endpoint: dict[tuple[str, int], Counter] = {}
+        self._ttft_by_endpoint: dict[str, Histogram] = {}
 
     def _series(self, model: str) -> _ModelSeries:
         series = self._models.get(model)
@@ -176,6 +197,19 @@ class GatewayMetrics:
     def inter_token(self, model: str, seconds: float) -> None:
         """`seconds` passed between two content chunks of one stream."""
         self._series(model).itl.observe(seconds)
+
+    def endpoint_request(self, endpoint: str, code: int) -> None:
+        """A request to `endpoint` (a name from the endpoint table, so a bounded set) ended with `code`."""
+        counter = self._by_endpoint.get((endpoint, code))
+        if counter is None:
+            counter = self._by_endpoint[endpoint, code] = self._endpoint_requests.labels(endpoint, str(code))
+        counter.inc()
+
+    def endpoint_first_token(self, endpoint: str, seconds: float) -> None:
+        histogram = self._ttft_by_endpoint.get(endpoint)
+        if histogram is None:
+            histogram = self._ttft_by_endpoint[endpoint] = self._endpoint_ttft.labels(endpoint)
+        histogram.observe(seconds)
 
     def usage(self, model: str, prompt_tokens: int, completion_tokens: int) -> None:
         """Token counts from an engine's `usage` object."""

@@ -27,6 +27,8 @@ class RequestMetrics(Protocol):
     def first_token(self, model: str, seconds: float) -> None: ...
     def inter_token(self, model: str, seconds: float) -> None: ...
     def usage(self, model: str, prompt_tokens: int, completion_tokens: int) -> None: ...
+    def endpoint_request(self, endpoint: str, code: int) -> None: ...
+    def endpoint_first_token(self, endpoint: str, seconds: float) -> None: ...
 
 
 @dataclass(slots=True)
@@ -54,6 +56,15 @@ def _token_count(value: object) -> int | None:
     return value if type(value) is int and value >= 0 else None
 
 
+def token_counts(usage: dict[str, Any]) -> tuple[int | None, int | None]:
+    """(prompt, completion) tokens of a `usage` object: chat's names, or the Responses/Anthropic ones."""
+    prompt = usage.get("prompt_tokens")
+    completion = usage.get("completion_tokens")
+    if prompt is None and completion is None:
+        prompt, completion = usage.get("input_tokens"), usage.get("output_tokens")
+    return _token_count(prompt), _token_count(completion)
+
+
 class RequestReporter:
     """Opens and closes the books on each request: in-flight gauge, counters, histograms, log line."""
 
@@ -69,8 +80,7 @@ class RequestReporter:
     def finish(self, record: RequestRecord) -> None:
         duration = perf_counter() - record.arrived
         usage = record.usage if isinstance(record.usage, dict) else {}
-        prompt_tokens = _token_count(usage.get("prompt_tokens"))
-        completion_tokens = _token_count(usage.get("completion_tokens"))
+        prompt_tokens, completion_tokens = token_counts(usage)
         metrics = self.metrics
         model = record.model
         if model is None:  # refused before a served model was known: counted, under one label
@@ -81,6 +91,7 @@ class RequestReporter:
                 metrics.usage(model, prompt_tokens or 0, completion_tokens or 0)
         finally:
             metrics.request_finished(model, record.status, duration, record.stream)
+            metrics.endpoint_request(record.endpoint, record.status)
         if self.log_request is not None:
             self.log_request(
                 request_id=record.request_id, model=record.model, engine=record.engine, status=record.status,

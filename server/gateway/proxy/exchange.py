@@ -8,15 +8,18 @@ usage).
 Failure handling, in the order a request meets it (`failures` has the table):
 - connection refused/reset, or a 503, before any byte reached the client: another replica,
   up to `retries.max_attempts`, with doubling backoff (a refusing engine is also marked down);
+  a request pinned to one replica (it asks for a response that replica stored, edge.targets) has
+  no other: when that replica is down or unreachable the answer is 404 response_not_found;
 - no byte from the engine within `timeouts.first_byte` (response headers, and for a stream its
   first chunk; for a non-streaming request that is the whole answer): 504;
 - more than `timeouts.idle` between two chunks, or `timeouts.total` overall, once streaming:
-  the stream ends with `data: {"error": ...}` and `data: [DONE]`, like an engine failing
-  mid-stream does;
+  the stream ends with an error in its own dialect (chat: `data: {"error": ...}` and
+  `data: [DONE]`; Responses: an `error` event; see streams.py), like an engine failing mid-stream;
 - the client leaving, at any point: the upstream response is closed, so vLLM aborts the
   request, within milliseconds.
 Deadlines and disconnects cancel the request's task (`deadlines`); `Exchange.attempt` owns the
-upstream response and closes it on every path.
+upstream response and closes it on every path. An engine's error answer passes through with its
+status; one that is not in the OpenAI envelope (an endpoint the engine does not serve) is put in one.
 """
 
 from __future__ import annotations
@@ -30,15 +33,28 @@ import httpx
 
 from server.gateway.edge.asgi import Headers, Receive, Send
 from server.gateway.edge.requests import GatewayRequest
+from server.gateway.edge.targets import body_for, excluded
 from server.gateway.engines.engine import Engine
 from server.gateway.engines.pool import ModelPool
 from server.gateway.engines.routing import affinity_key
-from server.gateway.errors import GatewayError, NoEngineAvailable, UpstreamFailed, UpstreamTimeout, \
-    send_error, stream_error_event
-from server.gateway.observability.record import CLIENT_CLOSED, RequestMetrics, RequestRecord
+from server.gateway.errors import (
+    GatewayError,
+    NoEngineAvailable,
+    ResponseNotFound,
+    UpstreamFailed,
+    UpstreamTimeout,
+    engine_error_body,
+    send_error,
+)
+from server.gateway.observability.record import (
+    CLIENT_CLOSED,
+    RequestMetrics,
+    RequestRecord,
+)
 from server.gateway.proxy.deadlines import Deadlines, Reason
 from server.gateway.proxy.failures import Failure, Stage, upstream_failure
-from server.gateway.proxy.sse import UsageScanner, ends_with_done, has_token, usage_from_body
+from server.gateway.proxy.fanout import fan_out
+from server.gateway.proxy.sse import UsageScanner, usage_from_body
 from server.gateway.proxy.transport import Upstream, UpstreamResponse
 from server.gateway.settings import GatewaySettings
 
@@ -76,12 +92,16 @@ class Proxy:
         self.forward_auth = forward_auth  # without keys of its own, the gateway passes the client's on
         self._targets: dict[tuple[str, str], Any] = {}
 
-    def target(self, engine: Engine, path: str) -> Any:
-        """The engine's endpoint, parsed once (parsing a URL costs more than the rest of a request's set-up)."""
+    def target(self, engine: Engine, path: str, method: str = "POST", *, cache: bool = True) -> Any:
+        """The engine's endpoint, parsed once (parsing a URL costs more than the rest of a request's set-up).
+
+        Paths that differ per request (a response id, a query string) are parsed each time, never kept."""
+        if not cache:
+            return self.upstream.target(engine.url + path, method)
         key = (engine.url, path)
         target = self._targets.get(key)
         if target is None:
-            target = self._targets[key] = self.upstream.target(engine.url + path)
+            target = self._targets[key] = self.upstream.target(engine.url + path, method)
         return target
 
     async def forward(self, request: GatewayRequest, pool: ModelPool, record: RequestRecord,
@@ -89,11 +109,33 @@ class Proxy:
         """Answer `request` from one of `pool`'s engines; refusals before the answer started are raised."""
         await Exchange(self, request, record, send).run(pool, receive)
 
+    async def broadcast(self, request: GatewayRequest, pool: ModelPool, record: RequestRecord, send: Send) -> None:
+        """Send `request` to every replica of `pool` and answer with all their outcomes (proxy.fanout)."""
+        status, body = await fan_out(self, request, pool, upstream_headers(request, self.forward_auth))
+        record.status, record.started = status, True
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"x-request-id", request.request_id.encode())]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def upstream_headers(request: GatewayRequest, forward_auth: bool) -> Headers:
+    """The headers an engine gets: the body's type, the request id, and the client's key when we have none."""
+    headers = [(b"content-type", request.content_type), (b"x-request-id", request.request_id.encode()),
+               (b"accept-encoding", b"identity")]
+    accept = request.header(b"accept")
+    headers.append((b"accept", accept.encode("latin-1") if accept else b"*/*"))
+    if forward_auth:
+        auth = request.header(b"authorization")
+        if auth:
+            headers.append((b"authorization", auth.encode("latin-1")))
+    return headers
+
 
 class Exchange:
     """One client request and its answer, from routing to the last byte."""
 
-    __slots__ = ("proxy", "request", "record", "send", "deadlines")
+    __slots__ = ("deadlines", "last", "proxy", "record", "request", "send")
 
     def __init__(self, proxy: Proxy, request: GatewayRequest, record: RequestRecord, send: Send) -> None:
         self.proxy = proxy
@@ -101,6 +143,7 @@ class Exchange:
         self.record = record
         self.send = send
         self.deadlines: Deadlines | None = None
+        self.last = b""  # the last chunk relayed, kept when a deadline cuts a stream (its error event follows it)
 
     async def run(self, pool: ModelPool, receive: Receive) -> None:
         t = self.proxy.settings.timeouts
@@ -126,10 +169,11 @@ class Exchange:
         key = affinity_key(self.request.body, session=session, prefix_affinity=routing.prefix_affinity,
                            prefix_chars=routing.prefix_chars, prefix_min_chars=routing.prefix_min_chars)
         attempts = settings.retries.max_attempts
+        barred = excluded(self.request, pool)
         tried: list[Engine] = []
         failure: _Retry | None = None
         for attempt in range(attempts):
-            engine = pool.acquire(routing, key=key, exclude=tried)
+            engine = pool.acquire(routing, key=key, exclude=[*barred, *tried] if barred else tried)
             if engine is None:
                 break
             tried.append(engine)
@@ -144,10 +188,20 @@ class Exchange:
             finally:
                 pool.release(engine)
             more = attempt + 1 < attempts
-            if more and settings.retries.backoff and any(e.healthy and e not in tried for e in pool.engines):
+            if more and settings.retries.backoff and any(e.healthy and e not in tried and e not in barred
+                                                         for e in pool.engines):
                 await asyncio.sleep(settings.retries.backoff * 2**attempt)
+        pin = self.request.pin
+        if pin is not None and (failure is None or failure.response is None
+                                and isinstance(failure.error, NoEngineAvailable)):
+            which = self.request.response_id or self.request.body.get("previous_response_id")
+            raise ResponseNotFound(f"Response with id '{which}' not found: the engine that stored it ({pin.id}) "
+                                   "is down, and stored responses live in its memory.",
+                                   param="response_id" if self.request.response_id else "previous_response_id")
         if failure is None:
-            raise NoEngineAvailable(f"No healthy engine for model `{pool.name}` right now; try again shortly.")
+            adapter = f" serving adapter `{self.request.adapter}`" if self.request.adapter else ""
+            raise NoEngineAvailable(f"No healthy engine for model `{pool.name}`{adapter} right now; "
+                                    "try again shortly.")
         if failure.response is not None:  # the engine's own 503: the client sees it as the engine sent it
             status, headers, content = failure.response
             self.record.error = failure.error.message
@@ -158,16 +212,7 @@ class Exchange:
     # -- one engine -------------------------------------------------------------------------------
 
     def _upstream_headers(self) -> Headers:
-        request = self.request
-        headers = [(b"content-type", b"application/json"), (b"x-request-id", request.request_id.encode()),
-                   (b"accept-encoding", b"identity")]
-        accept = request.header(b"accept")
-        headers.append((b"accept", accept.encode("latin-1") if accept else b"*/*"))
-        if self.proxy.forward_auth:
-            auth = request.header(b"authorization")
-            if auth:
-                headers.append((b"authorization", auth.encode("latin-1")))
-        return headers
+        return upstream_headers(self.request, self.proxy.forward_auth)
 
     def _failed(self, exc: httpx.HTTPError, engine: Engine, stage: Stage) -> Failure:
         failure = upstream_failure(exc, engine.id, engine.model, stage, self.proxy.connect_timeout)
@@ -185,11 +230,13 @@ class Exchange:
         """Send the request to `engine` and relay its answer. Owns the upstream response: closed on every path."""
         proxy = self.proxy
         request = self.request
+        endpoint = request.endpoint
+        target = (proxy.target(engine, request.path, endpoint.method, cache=False) if request.path
+                  else proxy.target(engine, endpoint.path, endpoint.method))
         response: UpstreamResponse | None = None
         try:
             try:
-                response = await proxy.upstream.post(proxy.target(engine, request.endpoint.path),
-                                                     self._upstream_headers(), request.raw,
+                response = await proxy.upstream.post(target, self._upstream_headers(), body_for(request, engine),
                                                      connect_timeout=proxy.connect_timeout)
             except httpx.HTTPError as exc:
                 self._raise(exc, engine, Stage.CONNECT)
@@ -203,9 +250,14 @@ class Exchange:
                 content = await self._read_whole(response, engine)
                 if self.deadlines is not None:
                     self.deadlines.disarm()
-                if response.status_code == 200:
+                status, headers = response.status_code, response.headers
+                if status == 200:
                     self.record.usage = usage_from_body(content)
-                await self._respond(response.status_code, response.headers, content)
+                elif status >= 400 and (wrapped := engine_error_body(status, content)) is not None:
+                    headers = [(k, v) for k, v in headers if k.lower() != b"content-type"]
+                    headers.append((b"content-type", b"application/json"))
+                    content = wrapped
+                await self._respond(status, headers, content)
         finally:
             if response is not None:
                 await response.aclose()
@@ -233,6 +285,8 @@ class Exchange:
             deadlines.streaming(now)
         metrics = self.proxy.metrics
         model = self.request.model
+        stream_format = self.request.endpoint.stream_format
+        has_token = stream_format.has_token
         scanner = UsageScanner()
         last = first
         if has_token(first):
@@ -256,12 +310,15 @@ class Exchange:
         except httpx.HTTPError as exc:
             if deadlines is not None:
                 deadlines.disarm()
-            if not ends_with_done(last):
+            if not stream_format.finished(last):
                 failure = self._failed(exc, engine, Stage.STREAM)
                 record.error = failure.error.message
                 log.warning("request %s: %s", record.request_id, failure.error.message)
-                await send({"type": "http.response.body", "body": stream_error_event(failure.error),
+                await send({"type": "http.response.body", "body": stream_format.error_event(failure.error, last),
                             "more_body": True})
+        except asyncio.CancelledError:  # a deadline: its error event follows the last chunk (see run)
+            self.last = last
+            raise
         if deadlines is not None:
             deadlines.disarm()
         record.usage = scanner.finish()
@@ -270,7 +327,9 @@ class Exchange:
     def _first_token(self, now: float) -> None:
         record = self.record
         record.first_token_at = record.last_token_at = now
-        self.proxy.metrics.first_token(self.request.model, now - record.arrived)
+        metrics = self.proxy.metrics
+        metrics.first_token(self.request.model, now - record.arrived)
+        metrics.endpoint_first_token(record.endpoint, now - record.arrived)
 
     # -- answering the client ---------------------------------------------------------------------
 
@@ -307,7 +366,8 @@ class Exchange:
             exc.headers.append((b"x-request-id", self.request.request_id.encode()))
             await send_error(self.send, exc)
         else:
-            await self.send({"type": "http.response.body", "body": stream_error_event(exc), "more_body": False})
+            event = self.request.endpoint.stream_format.error_event(exc, self.last)
+            await self.send({"type": "http.response.body", "body": event, "more_body": False})
 
     async def _end_stream_on_shutdown(self) -> None:
         """The server's grace period is over: end a started stream properly instead of cutting it."""
@@ -317,7 +377,8 @@ class Exchange:
                                  code="gateway_shutdown")
             record.error = exc.message
             try:
-                await self.send({"type": "http.response.body", "body": stream_error_event(exc), "more_body": False})
+                event = self.request.endpoint.stream_format.error_event(exc, self.last)
+                await self.send({"type": "http.response.body", "body": event, "more_body": False})
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
         else:

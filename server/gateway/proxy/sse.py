@@ -2,7 +2,8 @@
 
 The gateway forwards the engine's stream byte for byte. It only needs to know two things
 from it: when the first real token passes (time to first token, inter-token latency), and the
-token usage of the final chunk. Both are found with `bytes.find` on the raw chunk; JSON is
+token usage of the final chunk (chat) or of the `response.completed` event (Responses API; see
+streams.py for the two dialects). Both are found with `bytes.find` on the raw chunk; JSON is
 parsed only for an event that carries `usage`. A network read may hold several events or part
 of one; `UsageScanner` keeps an unfinished event until the next read completes it.
 """
@@ -50,17 +51,26 @@ def _usage_object_follows(chunk: bytes, start: int = 0) -> int:
     return -1
 
 
+def _usage_of(payload: object) -> dict[str, Any] | None:
+    """`payload["usage"]`, or the Responses API's `payload["response"]["usage"]` (response.completed)."""
+    if not isinstance(payload, dict):
+        return None
+    usage = payload.get("usage")
+    if usage is None and isinstance(response := payload.get("response"), dict):
+        usage = response.get("usage")
+    return usage if isinstance(usage, dict) else None
+
+
 def usage_from_event(event: bytes) -> dict[str, Any] | None:
-    """The `usage` object of one SSE event (`data: {...}`), or None."""
-    event = event.strip()
-    if not event.startswith(b"data:"):
+    """The `usage` object of one SSE event (`data: {...}`, maybe after an `event:` line), or None."""
+    start = event.find(b"data:")
+    if start == -1 or event[:start].strip() and not event[:start].lstrip().startswith(b"event:"):
         return None
     try:
-        payload = loads(event[5:])
+        payload = loads(event[start + 5:])
     except ValueError:
         return None
-    usage = payload.get("usage") if isinstance(payload, dict) else None
-    return usage if isinstance(usage, dict) else None
+    return _usage_of(payload)
 
 
 class UsageScanner:
@@ -70,7 +80,7 @@ class UsageScanner:
     (bounded) and completed by the next read.
     """
 
-    __slots__ = ("usage", "_tail")
+    __slots__ = ("_tail", "usage")
 
     def __init__(self) -> None:
         self.usage: dict[str, Any] | None = None
@@ -112,8 +122,7 @@ def usage_from_body(body: bytes) -> dict[str, Any] | None:
         payload = loads(body)
     except ValueError:
         return None
-    usage = payload.get("usage") if isinstance(payload, dict) else None
-    return usage if isinstance(usage, dict) else None
+    return _usage_of(payload)
 
 
 def ends_with_done(chunk: bytes) -> bool:

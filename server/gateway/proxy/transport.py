@@ -18,7 +18,8 @@ exceptions, and underneath:
 - no timer per read unless the request asks for a read timeout (the proxy keeps its own
   deadlines); a body the caller does not drain makes the connection pause reading.
 
-HTTP/1.1 only, for requests whose answers have a body (no HEAD): that is what engines speak.
+HTTP/1.1 only, for requests whose answers have a body (POST, and GET of a stored response; no
+HEAD): that is what engines speak.
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ class UpstreamResponse(Protocol):
 class Upstream(Protocol):
     """How the proxy talks to engines: UpstreamTransport, or ClientUpstream around any httpx client."""
 
-    def target(self, url: str) -> Any: ...
+    def target(self, url: str, method: str = "POST") -> Any: ...
 
     async def post(self, target: Any, headers: list[tuple[bytes, bytes]], body: bytes, *,
                    connect_timeout: float | None = None, read_timeout: float | None = None) -> UpstreamResponse: ...
@@ -298,18 +299,19 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
             raise httpx.ConnectError(f"{host}:{port}: {exc.strerror or exc}", request=request) from None
         return connection
 
-    def target(self, url: str) -> Target:
-        """`url` parsed once, for `post`."""
+    def target(self, url: str, method: str = "POST") -> Target:
+        """`method url` parsed once, for `post`."""
         parsed = httpx.URL(url)
         scheme, host = parsed.raw_scheme, parsed.raw_host
         port = parsed.port or _DEFAULT_PORTS.get(scheme, 80)
         host_header = host if parsed.port is None else host + b":" + str(port).encode()
-        return Target((scheme, host, port), host.decode("ascii"), b"POST " + parsed.raw_path + b" HTTP/1.1\r\nhost: "
-                      + host_header + b"\r\n")
+        return Target((scheme, host, port), host.decode("ascii"), method.encode("ascii") + b" " + parsed.raw_path
+                      + b" HTTP/1.1\r\nhost: " + host_header + b"\r\n")
 
     async def post(self, target: Target, headers: list[tuple[bytes, bytes]], body: bytes, *,
                    connect_timeout: float | None = None, read_timeout: float | None = None) -> _Body:
-        """POST `body` to `target`; the answer once its headers arrived (raises httpx's exceptions)."""
+        """Send `body` to `target` (a POST unless the target says otherwise); the answer once its headers
+        arrived (raises httpx's exceptions)."""
         lines = [target.request_line]
         for name, value in headers:
             lines += [name, b": ", value, b"\r\n"]
@@ -412,12 +414,13 @@ class ClientUpstream:
     def __init__(self, client: httpx.AsyncClient) -> None:
         self.client = client
 
-    def target(self, url: str) -> httpx.URL:
-        return httpx.URL(url)
+    def target(self, url: str, method: str = "POST") -> tuple[str, httpx.URL]:
+        return method, httpx.URL(url)
 
-    async def post(self, target: httpx.URL, headers: list[tuple[bytes, bytes]], body: bytes, *,
+    async def post(self, target: tuple[str, httpx.URL], headers: list[tuple[bytes, bytes]], body: bytes, *,
                    connect_timeout: float | None = None, read_timeout: float | None = None) -> _ClientResponse:
         timeout = httpx.Timeout(connect=connect_timeout, read=read_timeout, write=connect_timeout,
                                 pool=connect_timeout)
-        request = self.client.build_request("POST", target, content=body, headers=headers, timeout=timeout)
+        method, url = target
+        request = self.client.build_request(method, url, content=body, headers=headers, timeout=timeout)
         return _ClientResponse(await self.client.send(request, stream=True))

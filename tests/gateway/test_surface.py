@@ -1,0 +1,227 @@
+"""The endpoints beyond chat through the gateway, in front of stand-in engines over real sockets:
+Responses state and streaming, uploads, endpoints an engine does not serve, LoRA, metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from server.gateway.edge.targets import engine_token, token_of
+from tests.gateway.conftest import fast_settings
+from tests.gateway.surface_standin import SurfaceStandin
+from tests.support import refusing_port, serve_in_thread, wait_for
+
+
+@pytest.fixture
+def standins() -> Iterator[Callable[..., list[tuple[str, SurfaceStandin]]]]:
+    """start(n, **SurfaceStandin fields) -> n running stand-ins as (url, app)."""
+    with contextlib.ExitStack() as stack:
+        def start(n: int = 1, **config: Any) -> list[tuple[str, SurfaceStandin]]:
+            apps = [SurfaceStandin(**config) for _ in range(n)]
+            return [(stack.enter_context(serve_in_thread(app)), app) for app in apps]
+
+        yield start
+
+
+def metric(registry: CollectorRegistry, line_start: str) -> float:
+    for line in generate_latest(registry).decode().splitlines():
+        if line.startswith(line_start + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def events(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+
+
+# -- Responses: stored responses reach the engine that stored them -------------------------------
+
+
+def test_response_ids_name_the_engine_and_everything_after_goes_there(standins, gateway):
+    (a_url, a), (b_url, b) = standins(2)
+    gw = gateway(fast_settings({"standin": [a_url, b_url]}))
+    with httpx.Client(base_url=gw.url, timeout=10) as client:
+        first = client.post("/v1/responses", json={"model": "standin", "input": "hi", "request_id": "mine"})
+        assert first.status_code == 200, first.text
+        response_id = first.json()["id"]
+        owner, other = (a, b) if response_id in a.stored else (b, a)
+        owner_engine = gw.engine("standin", 0 if owner is a else 1)
+        assert token_of(response_id) == engine_token(owner_engine)  # the client's request_id was replaced
+        for _ in range(6):  # least-outstanding would alternate; the stored response pins every one
+            follow = client.post("/v1/responses", json={"model": "standin", "input": "and?",
+                                                        "previous_response_id": response_id})
+            assert follow.status_code == 200, follow.text
+            assert token_of(follow.json()["id"]) == engine_token(owner_engine)
+        retrieved = client.get(f"/v1/responses/{response_id}")
+        assert retrieved.status_code == 200 and retrieved.json()["id"] == response_id
+        cancelled = client.post(f"/v1/responses/{response_id}/cancel")
+        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+    assert not [r for r in other.requests if r.path.startswith("/v1/responses")]
+    assert {r.method for r in owner.requests} == {"GET", "POST"}
+
+
+def test_retrieve_passes_the_query_on(standins, gateway):
+    ((url, engine),) = standins(1)
+    gw = gateway(fast_settings({"standin": [url]}))
+    response_id = httpx.post(f"{gw.url}/v1/responses", json={"model": "standin", "input": "hi"}).json()["id"]
+    answer = httpx.get(f"{gw.url}/v1/responses/{response_id}", params={"include": "x"}, timeout=10)
+    assert answer.status_code == 200
+    assert engine.requests[-1].path == f"/v1/responses/{response_id}?include=x"
+
+
+def test_unknown_and_orphaned_response_ids_are_404_in_the_envelope(standins, gateway):
+    ((url, _),) = standins(1)
+    with refusing_port() as port:
+        dead = f"http://127.0.0.1:{port}"
+        gw = gateway(fast_settings({"standin": [url], "other": [dead]}, health={"interval": 60}))
+        foreign = "resp_0123456789abcdef"  # made by an engine directly, or by another deployment
+        for method, path in (("GET", f"/v1/responses/{foreign}"), ("POST", f"/v1/responses/{foreign}/cancel")):
+            answer = httpx.request(method, f"{gw.url}{path}", timeout=10)
+            assert answer.status_code == 404
+            assert answer.json()["error"]["code"] == "response_not_found"
+            assert answer.json()["error"]["param"] == "response_id"
+        follow = httpx.post(f"{gw.url}/v1/responses", json={"model": "standin", "input": "x",
+                                                            "previous_response_id": foreign}, timeout=10)
+        assert follow.status_code == 404 and follow.json()["error"]["param"] == "previous_response_id"
+        # An id the dead engine made: its engine is gone, and with it the response.
+        orphan = f"resp_{engine_token(gw.engine('other'))}-{'0' * 32}"
+        gone = httpx.get(f"{gw.url}/v1/responses/{orphan}", timeout=10)
+        assert gone.status_code == 404, gone.text
+        assert "is down" in gone.json()["error"]["message"]
+
+
+def test_streamed_responses_measure_ttft_and_usage(standins, gateway):
+    ((url, _),) = standins(1, event_delay_s=0.05)
+    registry = CollectorRegistry()
+    gw = gateway(fast_settings({"standin": [url]}), registry=registry)
+    with httpx.stream("POST", f"{gw.url}/v1/responses", json={"model": "standin", "input": "hi", "stream": True},
+                      timeout=10) as answer:
+        text = answer.read().decode()
+    assert [e["type"] for e in events(text)][-1] == "response.completed"
+    wait_for(lambda: metric(registry, 'gateway_endpoint_requests_total{code="200",endpoint="responses"}') == 1)
+    assert metric(registry, 'gateway_endpoint_time_to_first_token_seconds_count{endpoint="responses"}') == 1
+    assert metric(registry, 'gateway_time_to_first_token_seconds_count{model="standin"}') == 1
+    # 3 deltas, 2 gaps (fewer if a loaded machine delivers two deltas in one read)
+    assert 1 <= metric(registry, 'gateway_inter_token_latency_seconds_count{model="standin"}') <= 2
+    assert metric(registry, 'gateway_prompt_tokens_total{model="standin"}') == 7  # from response.completed
+    assert metric(registry, 'gateway_completion_tokens_total{model="standin"}') == 3
+
+
+def test_an_engine_dying_mid_stream_ends_a_responses_stream_with_an_error_event(standins, gateway):
+    ((url, _),) = standins(1, die_after_events=3)
+    gw = gateway(fast_settings({"standin": [url]}))
+    with httpx.stream("POST", f"{gw.url}/v1/responses", json={"model": "standin", "input": "hi", "stream": True},
+                      timeout=10) as answer:
+        assert answer.status_code == 200
+        text = answer.read().decode()
+    got = events(text)
+    assert [e["type"] for e in got] == ["response.created", "response.output_text.delta",
+                                        "response.output_text.delta", "error"]
+    assert got[-1]["code"] == "upstream_failed" and got[-1]["sequence_number"] == 3
+    assert text.endswith("\n\n") and "[DONE]" not in text  # Responses streams have no [DONE]
+    assert "event: error\n" in text
+
+
+# -- other endpoints ------------------------------------------------------------------------------
+
+
+def test_embeddings_go_to_the_model_named_and_are_counted_by_endpoint(standins, gateway):
+    ((chat_url, chat), (embed_url, embed)) = standins(1, model="chat") + standins(1, model="embed")
+    registry = CollectorRegistry()
+    gw = gateway(fast_settings({"chat": [chat_url], "embed": [embed_url]}), registry=registry)
+    answer = httpx.post(f"{gw.url}/v1/embeddings", json={"model": "embed", "input": ["a", "b"]}, timeout=10)
+    assert answer.status_code == 200 and len(answer.json()["data"]) == 2
+    assert [r.path for r in embed.requests] == ["/v1/embeddings"] and not chat.requests
+    wait_for(lambda: metric(registry, 'gateway_endpoint_requests_total{code="200",endpoint="embeddings"}') == 1)
+    assert metric(registry, 'gateway_prompt_tokens_total{model="embed"}') == 4
+
+
+def test_an_endpoint_the_engine_does_not_serve_is_its_404_in_the_envelope(standins, gateway):
+    ((url, _),) = standins(1)
+    gw = gateway(fast_settings({"standin": [url]}))
+    answer = httpx.post(f"{gw.url}/v1/rerank", json={"model": "standin", "query": "q", "documents": ["d"]})
+    assert answer.status_code == 404
+    assert answer.json() == {"error": {"message": "Not Found", "type": "invalid_request_error", "param": None,
+                                       "code": "not_found"}}
+
+
+def test_uploads_are_routed_by_their_form_field_and_forwarded_untouched(standins, gateway):
+    ((a_url, a), (b_url, b)) = standins(1, model="a") + standins(1, model="b")
+    gw = gateway(fast_settings({"a": [a_url], "b": [b_url]}, limits={"max_upload_bytes": 64 * 1024}))
+    files = {"file": ("clip.wav", b"RIFF" + bytes(2000), "audio/wav")}
+    answer = httpx.post(f"{gw.url}/v1/audio/transcriptions", data={"model": "b", "language": "en"}, files=files,
+                        timeout=10)
+    assert answer.status_code == 200, answer.text
+    (seen,) = b.requests
+    assert not a.requests
+    assert seen.content_type.startswith("multipart/form-data; boundary=")
+    assert b"RIFF" in seen.body and b'name="language"' in seen.body
+    big = {"file": ("big.wav", bytes(70 * 1024), "audio/wav")}
+    too_big = httpx.post(f"{gw.url}/v1/audio/transcriptions", data={"model": "b"}, files=big, timeout=10)
+    assert too_big.status_code == 413
+    no_model = httpx.post(f"{gw.url}/v1/audio/transcriptions", files=files, timeout=10)
+    assert no_model.status_code == 400 and no_model.json()["error"]["param"] == "model"
+    not_a_form = httpx.post(f"{gw.url}/v1/audio/transcriptions", json={"model": "b"}, timeout=10)
+    assert not_a_form.status_code == 400 and not_a_form.json()["error"]["code"] == "invalid_content_type"
+
+
+def test_wrong_methods_on_known_paths_are_405(standins, gateway):
+    ((url, _),) = standins(1)
+    gw = gateway(fast_settings({"standin": [url]}))
+    assert httpx.get(f"{gw.url}/v1/embeddings").status_code == 405
+    assert httpx.delete(f"{gw.url}/v1/responses/resp_x").status_code == 405
+    assert httpx.get(f"{gw.url}/v1/nothing").status_code == 404
+
+
+# -- LoRA adapters --------------------------------------------------------------------------------
+
+
+def test_adapter_requests_go_only_to_replicas_that_serve_them(standins, gateway):
+    (with_url, with_lora), (without_url, without_lora) = standins(1, adapters={"travel": "/a"}) + standins(1)
+    gw = gateway(fast_settings({"standin": [with_url, without_url]}))
+    listed = httpx.get(f"{gw.url}/v1/models").json()["data"]
+    assert [(m["id"], m.get("parent")) for m in listed] == [("standin", None), ("travel", "standin")]
+    assert httpx.get(f"{gw.url}/v1/models/travel").json()["parent"] == "standin"
+    body = {"model": "travel", "messages": [{"role": "user", "content": "hi"}]}
+    for _ in range(4):
+        assert httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=10).status_code == 200
+    assert len(with_lora.requests) == 4 and not without_lora.requests
+    unknown = httpx.post(f"{gw.url}/v1/chat/completions", json=dict(body, model="nope"), timeout=10)
+    assert unknown.status_code == 404 and "travel" in unknown.json()["error"]["message"]
+
+
+def test_runtime_load_and_unload_reach_every_replica_behind_the_admin_key(standins, gateway):
+    (a_url, a), (b_url, b) = standins(2)
+    settings = fast_settings({"standin": [a_url, b_url]})
+    gw = gateway(settings, environ={"GATEWAY_ADMIN_KEYS": "admin-key"})
+    load = {"model": "standin", "lora_name": "travel", "lora_path": "/loras/travel"}
+    url = f"{gw.url}/v1/load_lora_adapter"
+    assert httpx.post(url, json=load).status_code == 401
+    assert httpx.post(url, json=load, headers={"authorization": "Bearer wrong"}).status_code == 401
+    admin = {"authorization": "Bearer admin-key"}
+    answer = httpx.post(url, json=load, headers=admin, timeout=10)
+    assert answer.status_code == 200, answer.text
+    assert [e["status"] for e in answer.json()["engines"]] == [200, 200]
+    assert a.adapters == b.adapters == {"travel": "/loras/travel"}
+    assert "travel" in [m["id"] for m in httpx.get(f"{gw.url}/v1/models").json()["data"]]
+    again = httpx.post(url, json=load, headers=admin, timeout=10)  # the engines refuse a second load
+    assert again.status_code == 400 and again.json()["error"]["code"] == "fan_out_failed"
+    unload = httpx.post(f"{gw.url}/v1/unload_lora_adapter", json={"model": "standin", "lora_name": "travel"},
+                        headers=admin, timeout=10)
+    assert unload.status_code == 200 and a.adapters == b.adapters == {}
+    assert "travel" not in [m["id"] for m in httpx.get(f"{gw.url}/v1/models").json()["data"]]
+
+
+def test_without_admin_keys_runtime_lora_is_refused(standins, gateway):
+    ((url, engine),) = standins(1)
+    gw = gateway(fast_settings({"standin": [url]}), environ={})
+    answer = httpx.post(f"{gw.url}/v1/load_lora_adapter", json={"model": "standin", "lora_name": "x",
+                                                                "lora_path": "/x"})
+    assert answer.status_code == 403 and answer.json()["error"]["code"] == "permission_denied"
+    assert not engine.requests

@@ -246,7 +246,8 @@ def test_engines_get_their_profile_gpus_args_probes_and_volumes(case, api_versio
         deployment = named(objects, "Deployment", name)
         pod = deployment["spec"]["template"]["spec"]
         (container,) = pod["containers"]
-        assert container["args"] == engine["args"]
+        drain = max(1, pod["terminationGracePeriodSeconds"] - 10)  # vLLM's --shutdown-timeout, inside the grace
+        assert container["args"] == engine["args"] + ["--shutdown-timeout", str(drain)]
         limits = container.get("resources", {}).get("limits", {})
         if engine["device"] == "gpu":
             tp = int(_flag(engine["args"], "--tensor-parallel-size", "1"))

@@ -63,6 +63,25 @@ class PlannerHints(BaseModel):
     weights_bytes: int | None = Field(default=None, ge=0)
 
 
+class LoraAdapter(BaseModel):
+    """A LoRA adapter the engine serves from start-up (`--enable-lora --lora-modules NAME=PATH`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)  # what requests name as `model`
+    path: str = Field(min_length=1)  # a local folder (relative to the profile file) or a hub id
+    build_tiny: bool = False  # build the project's tiny adapter there when missing (server.engine.tinyadapter)
+
+    def resolved_path(self, source: Path | None) -> str:
+        """An absolute folder for a local path (vLLM may run elsewhere than our working directory)."""
+        if not self.path.startswith(("/", "./", "../", "~")):
+            return self.path
+        path = Path(self.path).expanduser()
+        if not path.is_absolute() and source is not None:
+            path = source.parent / path
+        return str(path.resolve())
+
+
 class Profile(BaseModel):
     """One vLLM engine, as the operator describes it."""
 
@@ -80,6 +99,7 @@ class Profile(BaseModel):
     vllm: dict[str, VllmValue] = Field(default_factory=dict)
     trimming: TrimmingConfig = Field(default_factory=TrimmingConfig)
     planner: PlannerHints = Field(default_factory=PlannerHints)
+    lora_adapters: list[LoraAdapter] = Field(default_factory=list)
 
     # Set by load_profile: the file this came from (relative paths resolve against its folder).
     source: Path | None = Field(default=None, exclude=True)
@@ -131,6 +151,11 @@ class Profile(BaseModel):
     def _consistent(self) -> Profile:
         if self.build_tiny_model and not self.is_local_model:
             raise ValueError("build_tiny_model: needs `model` to be a local path")
+        names = [adapter.name for adapter in self.lora_adapters]
+        if len(set(names)) != len(names):
+            raise ValueError("lora_adapters: two adapters share a name")
+        if self.served_model_name in names:
+            raise ValueError("lora_adapters: an adapter cannot be named like the served model")
         space = self.env.get("VLLM_CPU_KVCACHE_SPACE")
         if space is not None:
             try:

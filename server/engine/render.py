@@ -36,11 +36,24 @@ def model_argument(profile: Profile) -> str:
 
 
 def engine_flags(profile: Profile) -> list[str]:
-    """The profile's vLLM options as command-line flags, in the profile's order."""
+    """The profile's vLLM options as command-line flags, in the profile's order (LoRA adapters last)."""
     flags: list[str] = []
-    for key, value in profile.vllm.items():
+    for key, value in _options(profile).items():
         flags += _flag(key, value)
     return flags
+
+
+def lora_options(profile: Profile) -> dict[str, Any]:
+    """`enable-lora` and `lora-modules NAME=PATH ...` for the profile's `lora_adapters` (none: {})."""
+    if not profile.lora_adapters:
+        return {}
+    modules = [f"{a.name}={a.resolved_path(profile.source)}" for a in profile.lora_adapters]
+    return {"enable-lora": True, "lora-modules": modules}
+
+
+def _options(profile: Profile) -> dict[str, Any]:
+    """The vLLM options: the profile's `vllm:` mapping, then what its own keys imply."""
+    return {**profile.vllm, **lora_options(profile)}
 
 
 def _flag(key: str, value: Any) -> list[str]:
@@ -106,7 +119,7 @@ def engine_config(
         config["host"] = host
     if port is not None:
         config["port"] = port
-    for key, value in profile.vllm.items():
+    for key, value in _options(profile).items():
         if value is None or (value is False and key not in NEGATABLE_FLAGS):
             continue
         config[key] = value

@@ -245,6 +245,12 @@ def prepare(profile: Profile) -> None:
         from server.engine.tinymodel import build_tiny_model
 
         build_tiny_model(path, log=lambda msg: log.info("[tiny-model] %s", msg))
+    for adapter in profile.lora_adapters:  # the project's tiny LoRA adapter, where a profile asks for it
+        if adapter.build_tiny:
+            from server.engine.tinyadapter import build_tiny_adapter
+
+            build_tiny_adapter(adapter.resolved_path(profile.source), base_model=profile.served_model_name,
+                               log=lambda msg: log.info("[tiny-lora] %s", msg))
 
 
 async def run_engine(profile: Profile, host: str, port: int, max_restarts: int, ready_timeout: float) -> int:

@@ -67,6 +67,11 @@ class ModelEngines(BaseModel):
     dns: list[str] = Field(default_factory=list)
     base_port: int | None = Field(default=None, ge=1, le=65535)  # first engine port for `up`
     trimming: TrimmingConfig | None = None  # overrides the profile's
+    # Memory of one GPU (e.g. 80GiB) the deployment renderers plan a GPU profile's KV cache with.
+    device_memory: str | None = None
+    # KV-cache tokens planned for each engine, written by the renderers (compose) so the gateway
+    # need not read the model's config.json; the gateway plans from the profile when absent.
+    planned_kv_tokens: int | None = Field(default=None, ge=0)
 
     @field_validator("dns", mode="before")
     @classmethod
@@ -98,6 +103,7 @@ class ServedModel:
     profile: Profile | None = None  # for max_model_len and the planned KV capacity
     trimming: TrimmingConfig = field(default_factory=lambda: TrimmingConfig(mode="off"))
     dns: list[str] = field(default_factory=list)  # names resolved for more engines (ModelEngines.dns)
+    planned_kv_tokens: int | None = None  # per engine, from the config; else planned from the profile
 
 
 def profile_path(entry: ModelEngines, config: Path | None) -> Path | None:

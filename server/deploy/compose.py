@@ -26,12 +26,20 @@ from typing import Any
 
 from server.config import ModelEngines, read_mapping
 from server.deploy import files
+from server.deploy.downloads import download_services, engine_dependency
+from server.deploy.monitoring import (
+    alertmanager_config,
+    monitoring_services,
+    render_prometheus,
+)
 from server.deploy.plan import (
     SERVICE_PORT,
     DeploymentPlan,
     PlannedEngine,
+    PlannedModel,
     plan_deployment,
 )
+from server.engine.planner import PlanError, parse_size, plan_profile
 from server.engine.profiles import Profile
 from server.engine.render import engine_argv
 
@@ -39,8 +47,6 @@ from server.engine.render import engine_argv
 VLLM_GPU_IMAGE = "vllm/vllm-openai:v0.32.0"
 VLLM_CPU_IMAGE = "llm-serving/vllm-cpu:0.32.0"  # built from docker/Dockerfile.vllm-cpu
 GATEWAY_IMAGE = "llm-serving/gateway:0.1.0"  # built from docker/Dockerfile.gateway
-PROMETHEUS_IMAGE = "prom/prometheus:v3.5.0"
-GRAFANA_IMAGE = "grafana/grafana:12.1.1"
 
 ENGINE_PORT = SERVICE_PORT  # inside each engine container
 GATEWAY_PORT = 8000
@@ -49,18 +55,20 @@ GATEWAY_PORT = 8000
 # the same inside the container and in the checkout.
 GATEWAY_CONFIG_IN_CONTAINER = "/app/docker/gateway.yaml"
 CONFIGS_IN_CONTAINER = "/app/configs"
-PROMETHEUS_PORT = 9090
-GRAFANA_PORT = 3000
+# The host address the gateway is published on: this host only, unless the operator publishes it
+# (GATEWAY_BIND=0.0.0.0; `make up` does so when GATEWAY_API_KEYS is set, and refuses it without).
+GATEWAY_BIND = "${GATEWAY_BIND:-127.0.0.1}"
 # Where Docker/vLLM keep downloaded weights, shared by every engine through one volume (or a
 # host folder named by HF_CACHE_DIR, e.g. an existing ~/.cache/huggingface).
 HF_HOME = "/cache/huggingface"
+HF_CACHE_VOLUME = "${HF_CACHE_DIR:-hf-cache}"
+# vLLM's own cache (VLLM_CACHE_ROOT: torch.compile artefacts under torch_compile_cache/), on a
+# volume so a recreated engine container loads its compiled graphs instead of compiling again.
+VLLM_CACHE = "/cache/vllm"
 # docker/Dockerfile.vllm-cpu builds the project's tiny model here at image build time.
 TINY_MODEL_IN_IMAGE = "/models/tiny-llama"
 # Local model folders other than the tiny model are bind-mounted read-only under this folder.
 MODELS_IN_CONTAINER = "/models"
-
-SCRAPE_INTERVAL = "10s"
-RULES_IN_CONTAINER = "/etc/prometheus/alerts.yml"  # docker/prometheus/alerts.yml (METRICS)
 
 # Start-up grace before a failing /health counts: a GPU engine may first download 16 GB of
 # weights; the CPU engine imports vLLM in about a minute on two cores.
@@ -143,12 +151,33 @@ def render_gateway_config(plan: DeploymentPlan, config: Path, compose_dir: Path)
         if model.profile_path is not None:
             entry["profile"] = f"../configs/{model.profile_path.resolve().relative_to(configs).as_posix()}"
         entry["urls"] = model.urls
+        if (planned := planned_kv_tokens(model)) is not None:
+            entry["planned_kv_tokens"] = planned
         models.append(entry)
     rendered: dict[str, Any] = {"host": "0.0.0.0", "port": GATEWAY_PORT, "models": models}
     for key, value in read_mapping(config).items():
         if key not in rendered:
             rendered[key] = value
     return rendered
+
+
+def planned_kv_tokens(model: PlannedModel) -> int | None:
+    """The planner's KV-cache tokens for one engine of the model, computed here at render time.
+
+    The gateway container can then show planned against actual capacity without the model's
+    config.json (the CPU stack's tiny model is inside the engine image only) and without a GPU
+    memory figure of its own: a GPU profile plans with the entry's `device_memory`. None when
+    there is no profile, or a GPU profile without a figure.
+    """
+    if model.profile is None:
+        return None
+    try:
+        memory = parse_size(model.entry.device_memory) if model.entry.device_memory else None
+        return plan_profile(model.profile, memory).kv_cache_tokens
+    except PlanError as exc:
+        if model.profile.device == "gpu" and model.entry.device_memory is None:
+            return None
+        raise ComposeError(f"{model.name}: cannot plan its KV cache: {exc}") from None
 
 
 def _healthcheck(port: int, start_period: str) -> dict[str, Any]:
@@ -164,9 +193,10 @@ def _healthcheck(port: int, start_period: str) -> dict[str, Any]:
 
 def engine_service(engine: PlannedEngine, compose_dir: Path) -> dict[str, Any]:
     profile = engine.profile
-    environment: dict[str, str] = {"HF_TOKEN": "${HF_TOKEN:-}", "HF_HOME": HF_HOME}
+    environment: dict[str, str] = {"HF_TOKEN": "${HF_TOKEN:-}", "HF_HOME": HF_HOME,
+                                   "VLLM_CACHE_ROOT": VLLM_CACHE}
     environment.update(profile.env)
-    volumes = [f"${{HF_CACHE_DIR:-hf-cache}}:{HF_HOME}"]
+    volumes = [f"{HF_CACHE_VOLUME}:{HF_HOME}", f"vllm-cache:{VLLM_CACHE}"]
     _, mount = container_model(profile, compose_dir)
     if mount:
         volumes.append(mount)
@@ -183,6 +213,8 @@ def engine_service(engine: PlannedEngine, compose_dir: Path) -> dict[str, Any]:
     service["ipc"] = "host"
     service["restart"] = "unless-stopped"
     service["healthcheck"] = _healthcheck(ENGINE_PORT, START_PERIOD[profile.device])
+    if dependency := engine_dependency(engine):
+        service["depends_on"] = dependency
     if engine.gpus:
         service["deploy"] = {"resources": {"reservations": {"devices": [
             {"driver": "nvidia", "device_ids": [str(gpu) for gpu in engine.gpus], "capabilities": ["gpu"]}
@@ -195,103 +227,51 @@ def gateway_service(plan: DeploymentPlan, gateway_file: str) -> dict[str, Any]:
         "image": GATEWAY_IMAGE,
         "build": {"context": "..", "dockerfile": "docker/Dockerfile.gateway"},
         "command": gateway_command(),
-        # Comma-separated API keys clients must send; empty leaves the gateway open.
-        "environment": {"GATEWAY_API_KEYS": "${GATEWAY_API_KEYS:-}"},
+        # Comma-separated API keys clients must send, passed on only when the host sets it (the
+        # gateway refuses to start on a variable that is set but empty).
+        "environment": {"GATEWAY_API_KEYS": None},
         "volumes": [
             f"./{gateway_file}:{GATEWAY_CONFIG_IN_CONTAINER}:ro",
             f"../configs:{CONFIGS_IN_CONTAINER}:ro",
         ],
-        "ports": [f"{GATEWAY_PORT}:{GATEWAY_PORT}"],
+        "ports": [{"target": GATEWAY_PORT, "published": str(GATEWAY_PORT), "host_ip": GATEWAY_BIND}],
         "restart": "unless-stopped",
     }
     if plan.engines:
+        # Started, not healthy: the gateway health-checks its engines itself (/ready), so it and
+        # its metrics are up while an engine loads, and one engine that never loads stops nothing.
         service["depends_on"] = {
-            engine.service: {"condition": "service_healthy"} for engine in plan.engines
+            engine.service: {"condition": "service_started"} for engine in plan.engines
         }
     return service
-
-
-def prometheus_service(prometheus_file: str) -> dict[str, Any]:
-    return {
-        "image": PROMETHEUS_IMAGE,
-        "command": [
-            "--config.file=/etc/prometheus/prometheus.yml",
-            "--storage.tsdb.path=/prometheus",
-            "--storage.tsdb.retention.time=15d",
-        ],
-        "volumes": [
-            f"./{prometheus_file}:/etc/prometheus/prometheus.yml:ro",
-            f"./prometheus/alerts.yml:{RULES_IN_CONTAINER}:ro",
-            "prometheus-data:/prometheus",
-        ],
-        # No login on Prometheus: reachable from this host only (ssh -L 9090:localhost:9090).
-        "ports": [f"127.0.0.1:{PROMETHEUS_PORT}:{PROMETHEUS_PORT}"],
-        "restart": "unless-stopped",
-        "depends_on": {"gateway": {"condition": "service_started"}},
-    }
-
-
-def grafana_service() -> dict[str, Any]:
-    return {
-        "image": GRAFANA_IMAGE,
-        "environment": {
-            "GF_SECURITY_ADMIN_USER": "admin",
-            # No default password: compose refuses to start without one.
-            "GF_SECURITY_ADMIN_PASSWORD": "${GRAFANA_ADMIN_PASSWORD:?set GRAFANA_ADMIN_PASSWORD}",
-            "GF_USERS_ALLOW_SIGN_UP": "false",
-        },
-        "volumes": [
-            "./grafana/provisioning:/etc/grafana/provisioning:ro",
-            "./grafana/dashboards:/var/lib/grafana/dashboards:ro",
-            "grafana-data:/var/lib/grafana",
-        ],
-        "ports": [f"{GRAFANA_PORT}:{GRAFANA_PORT}"],
-        "restart": "unless-stopped",
-        "depends_on": {"prometheus": {"condition": "service_started"}},
-    }
 
 
 def render_compose(plan: DeploymentPlan, *, project: str, compose_dir: Path,
                    prometheus_file: str, gateway_file: str) -> dict[str, Any]:
     """The compose file as a mapping (services in start order: engines, gateway, monitoring)."""
-    services: dict[str, Any] = {}
+    services: dict[str, Any] = download_services(plan, image=VLLM_GPU_IMAGE, hf_home=HF_HOME,
+                                                 cache_volume=HF_CACHE_VOLUME)
     for engine in plan.engines:
         services[engine.service] = engine_service(engine, compose_dir)
     services["gateway"] = gateway_service(plan, gateway_file)
-    services["prometheus"] = prometheus_service(prometheus_file)
-    services["grafana"] = grafana_service()
+    services.update(monitoring_services(prometheus_file))
     return {
         "name": project,
-        "services": services,
-        "volumes": {"hf-cache": {}, "prometheus-data": {}, "grafana-data": {}},
+        "services": {name: _ordered(service) for name, service in services.items()},
+        "volumes": {name: {} for name in
+                    ("hf-cache", "vllm-cache", "prometheus-data", "alertmanager-data", "grafana-data")},
+        "configs": {"alertmanager": {"content": files.dump(alertmanager_config())}},
     }
 
 
-def render_prometheus(plan: DeploymentPlan) -> dict[str, Any]:
-    """Prometheus config: the gateway, and every engine (containers and remote URLs) by model."""
-    upstreams = [(engine.model, engine.url) for engine in plan.engines]
-    upstreams += [(model.name, url) for model in plan.models for url in model.remote]
-    by_model: dict[str, list[str]] = {}
-    for model, url in upstreams:
-        by_model.setdefault(model, []).append(_host_port(url))
-    return {
-        "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": SCRAPE_INTERVAL},
-        "rule_files": [RULES_IN_CONTAINER],
-        "scrape_configs": [
-            {"job_name": "gateway",
-             "static_configs": [{"targets": [f"gateway:{GATEWAY_PORT}"]}]},
-            {"job_name": "vllm",
-             "static_configs": [{"targets": targets, "labels": {"model": model}}
-                                for model, targets in by_model.items()]},
-        ],
-    }
+# The order dclint (service-keys-order) expects a service's keys in; services stay in start order.
+SERVICE_KEYS = ("image", "build", "depends_on", "volumes", "configs", "environment", "ports",
+                "command", "entrypoint", "restart", "healthcheck", "deploy", "ipc")
 
 
-def _host_port(url: str) -> str:
-    rest = url.split("://", 1)[-1].split("/", 1)[0]
-    if ":" not in rest:
-        rest += ":443" if url.startswith("https://") else ":80"
-    return rest
+def _ordered(service: dict[str, Any]) -> dict[str, Any]:
+    rank = {key: i for i, key in enumerate(SERVICE_KEYS)}
+    return dict(sorted(service.items(), key=lambda item: rank.get(item[0], len(rank))))
 
 
 def companions(output: Path) -> tuple[Path, Path]:
@@ -321,7 +301,7 @@ def render_files(models: Sequence[ModelEngines], *, config: Path, output: Path) 
     return {
         output: header + files.dump(compose),
         gateway_path: header + files.dump(render_gateway_config(plan, config, compose_dir)),
-        prometheus_path: header + files.dump(render_prometheus(plan)),
+        prometheus_path: header + files.dump(render_prometheus(plan, gateway=f"gateway:{GATEWAY_PORT}")),
     }
 
 

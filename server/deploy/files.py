@@ -32,8 +32,20 @@ def display_path(path: Path) -> str:
         return path.as_posix()
 
 
+class _Dumper(yaml.SafeDumper):
+    """safe_dump, with multi-line strings as literal blocks (`|`), readable as written."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
 def dump(data: object) -> str:
-    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=100)
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100)
 
 
 def emit(files: dict[Path, str], *, main: Path, write: bool, check: bool, regenerate: str) -> int:

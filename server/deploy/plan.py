@@ -96,7 +96,8 @@ class DeploymentPlan:
                 out[model.name].dns.extend(model.entry.dns)
             else:
                 out[model.name] = ServedModel(model.name, model.urls, model.profile, model.trimming,
-                                              dns=list(model.entry.dns))
+                                              dns=list(model.entry.dns),
+                                              planned_kv_tokens=model.entry.planned_kv_tokens)
         return list(out.values())
 
 

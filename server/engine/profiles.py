@@ -95,6 +95,9 @@ class Profile(BaseModel):
     # Build the project's tiny model at `model` when it is missing (tiny-cpu only).
     build_tiny_model: bool = False
     replicas: int = Field(default=1, ge=1, le=64)
+    # A hub model behind an accepted licence (meta-llama/*): downloading it needs HF_TOKEN, and
+    # compose refuses to start without one (server.deploy.downloads).
+    gated: bool = False
     env: dict[str, str] = Field(default_factory=dict)
     vllm: dict[str, VllmValue] = Field(default_factory=dict)
     trimming: TrimmingConfig = Field(default_factory=TrimmingConfig)

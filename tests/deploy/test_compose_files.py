@@ -21,7 +21,7 @@ from check_jsonschema.builtin_schemas import get_builtin_schema
 
 from .conftest import DOCKER, ROOT
 
-PASSWORD_ENV = {"GRAFANA_ADMIN_PASSWORD": "test-password"}
+PASSWORD_ENV = {"GRAFANA_ADMIN_PASSWORD": "test-password", "HF_TOKEN": "hf_test"}
 
 
 def docker_compose_binary() -> Path:

@@ -90,7 +90,9 @@ class EnginePool:
         """One `Engine` per URL of each served model, with what its profile says."""
         pools = []
         for model in models:
-            planned = planned_kv_tokens(model.profile) if model.profile else None
+            planned = model.planned_kv_tokens  # rendered into the config (compose), else planned here
+            if planned is None and model.profile:
+                planned = planned_kv_tokens(model.profile)
             pools.append(
                 ModelPool(
                     name=model.name,

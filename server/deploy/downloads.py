@@ -19,9 +19,10 @@ from typing import Any
 
 from server.deploy.plan import DeploymentPlan, PlannedEngine, slug
 
-# Files vLLM does not load: Meta's original checkpoints (a second copy of the weights) and
-# PyTorch pickles where safetensors exist. An engine that needs one still downloads it itself.
-EXCLUDE = ("original/*", "*.pth")
+# Files vLLM does not load: Meta's original checkpoints (a second copy of the weights, as .pth).
+# One pattern only: huggingface_hub's argparse CLI keeps only the last of repeated `--exclude`s,
+# its later CLI takes one value per flag. An engine that needs a skipped file downloads it itself.
+EXCLUDE = ("original/*",)
 
 
 def download_service_name(model: str) -> str:

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
 
 from server.engine.profiles import Profile, load_profile
+from tests.engine_process import running_engine
 from tests.support import free_port
 
 # Property tests have no per-example time limit: a busy machine makes an example slow, not wrong.
@@ -101,6 +102,13 @@ def real_engine(tmp_path_factory) -> RealEngine:
     finally:
         _stop(process)
         log_file.close()
+
+
+@pytest.fixture(scope="session")
+def real_embed_engine(tmp_path_factory):
+    """The tiny model as an embedding model (configs/profiles/tiny-embed.yaml), once per session."""
+    yield from running_engine(ROOT / "configs" / "profiles" / "tiny-embed.yaml", tmp_path_factory.mktemp("embed"),
+                              reuse_env="TEST_EMBED_ENGINE_URL")
 
 
 def _stop(process: subprocess.Popen) -> None:

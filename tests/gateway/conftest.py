@@ -13,11 +13,11 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from server.deploy.plan import plan_deployment
 from server.gateway.app import create_app
+from server.gateway.edge.router import Gateway as GatewayApp
 from server.gateway.edge.protocol import protocol_for
 from server.gateway.settings import GatewaySettings, ModelEngines
 from tests.standin import Standin, StandinConfig, build_app
@@ -46,7 +46,7 @@ class Gateway:
     """A running gateway."""
 
     url: str
-    app: FastAPI
+    app: GatewayApp
 
     @property
     def state(self) -> Any:

@@ -76,6 +76,9 @@ class Limits(_Strict):
     max_upload_bytes: int = Field(default=25 * 2**20, ge=1024)  # multipart uploads (audio), OpenAI's own limit
     max_connections: int = Field(default=1024, ge=1)  # to each engine
     shutdown_grace: float = Field(default=30.0, ge=0)  # seconds for in-flight streams
+    header_timeout: float = Field(default=10.0, gt=0)  # seconds for a request's headers to arrive
+    body_timeout: float = Field(default=60.0, gt=0)  # seconds for its body, after the headers
+    max_client_connections: int = Field(default=4096, ge=1)  # open client connections at once
 
 
 class GatewaySettings(_Strict):

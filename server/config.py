@@ -61,6 +61,9 @@ class ModelEngines(BaseModel):
     name: str | None = None  # the served model name; from the profile when absent
     profile: str | None = None  # path relative to the config file
     urls: list[str] = Field(default_factory=list)  # where its engines run (none are started then)
+    # Their KV-event endpoints (vLLM --kv-events-config), in the order of `urls`, e.g.
+    # tcp://10.0.0.5:5557; "" for an engine that publishes none. Precise prefix routing needs them.
+    kv_events: list[str] = Field(default_factory=list)
     # Engines found by DNS (server.gateway.engines.discovery): `engine-tiny.default.svc:8000`, one
     # engine per address of the name (a headless Service, compose's `deploy.replicas`), or an SRV
     # name `_http._tcp.engine-tiny.default.svc`; with a profile, it gives trimming and capacity only.
@@ -91,6 +94,8 @@ class ModelEngines(BaseModel):
             raise ValueError("give `urls` or `dns`, not both")
         if not self.profile and not self.name:
             raise ValueError("a model named by `urls` or `dns` needs `name`")
+        if len(self.kv_events) > len(self.urls):
+            raise ValueError("`kv_events` has more endpoints than `urls` has engines")
         return self
 
 
@@ -102,6 +107,7 @@ class ServedModel:
     urls: list[str]
     profile: Profile | None = None  # for max_model_len and the planned KV capacity
     trimming: TrimmingConfig = field(default_factory=lambda: TrimmingConfig(mode="off"))
+    kv_events: dict[str, str] = field(default_factory=dict)  # engine URL -> its KV-event endpoint (ZMQ)
     dns: list[str] = field(default_factory=list)  # names resolved for more engines (ModelEngines.dns)
     planned_kv_tokens: int | None = None  # per engine, from the config; else planned from the profile
 

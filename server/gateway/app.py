@@ -5,7 +5,8 @@
     metrics and access log (observability)          ─┘
 
 Start-up runs one round of health checks before the first request and starts the engine
-metrics scraper; shutdown stops both and closes the HTTP clients. Nothing is created at import.
+metrics scraper and, for precise prefix routing, the engines' KV-event subscribers; shutdown
+stops them and closes the HTTP clients. Nothing is created at import.
 """
 
 from __future__ import annotations
@@ -20,11 +21,15 @@ from server.config import ServedModel
 from server.gateway.edge.auth import load_admin_keys, load_api_keys
 from server.gateway.edge.ops import GatewayState
 from server.gateway.edge.router import Gateway
-from server.gateway.engines.health import HealthChecker
+from server.gateway.engines.approximate import ApproximateIndex
+from server.gateway.engines.cache import CacheState, EngineTokenizer
 from server.gateway.engines.collector import EngineCollector
 from server.gateway.engines.discovery import DnsLookup, EngineDiscovery
 from server.gateway.engines.engine import Engine
+from server.gateway.engines.health import HealthChecker
+from server.gateway.engines.kv_events import KvEventsCollector, KvEventSubscriber
 from server.gateway.engines.pool import EnginePool, planned_kv_tokens
+from server.gateway.engines.precise import PreciseIndex
 from server.gateway.engines.scraper import EngineMetricsScraper
 from server.gateway.observability.logs import log_request as default_log_request
 from server.gateway.observability.metrics import GatewayMetrics
@@ -57,13 +62,18 @@ def _ops_client(settings: GatewaySettings) -> httpx.AsyncClient:
     )
 
 
+def kv_event_endpoints(upstreams: EnginePool, models: Sequence[ServedModel]) -> dict[str, str]:
+    """Engine id -> the ZMQ endpoint of its KV events, for the engines that publish them."""
+    by_url = {url.rstrip("/"): endpoint for model in models for url, endpoint in model.kv_events.items()}
+    return {engine.id: by_url[engine.url] for engine in upstreams.engines() if engine.url in by_url}
+
+
 def create_app(settings: GatewaySettings, models: Sequence[ServedModel], *,
                http_client: httpx.AsyncClient | None = None,
                registry: CollectorRegistry | None = None, metrics: Any = None,
                log_request: Callable[..., None] | None = default_log_request,
                environ: Mapping[str, str] | None = None) -> Gateway:
     """The OpenAI-compatible gateway for `settings` in front of `models`' engines (see edge.router)."""
-    upstreams = EnginePool.from_models(models)
     metrics = metrics if metrics is not None else GatewayMetrics(registry)
     owns_client = http_client is None
     upstream: Upstream
@@ -74,6 +84,13 @@ def create_app(settings: GatewaySettings, models: Sequence[ServedModel], *,
         upstream = transport
     else:
         client, upstream = http_client, ClientUpstream(http_client)
+    routing = settings.routing
+    cache = CacheState(approximate=ApproximateIndex(ttl=routing.approximate_ttl),
+                       precise=PreciseIndex(speculative_ttl=routing.speculative_ttl),
+                       tokenize=EngineTokenizer(client, routing.tokenize_timeout), block_chars=routing.block_chars)
+    upstreams = EnginePool.from_models(models, cache=cache)
+    kv_events = KvEventSubscriber(cache.precise, kv_event_endpoints(upstreams, models)
+                                  if routing.policy == "cache_aware" and routing.prefix_index == "precise" else {})
     ops_client = _ops_client(settings)
     keys = load_api_keys(settings.auth, environ, base=settings.source.parent if settings.source else None)
 
@@ -83,6 +100,7 @@ def create_app(settings: GatewaySettings, models: Sequence[ServedModel], *,
 
     def engine_left(engine: Engine) -> None:
         scraper.remove(engine)
+        cache.approximate.forget(engine.id)
 
     async def engine_found(engine: Engine) -> None:
         await health.check(engine)
@@ -92,6 +110,8 @@ def create_app(settings: GatewaySettings, models: Sequence[ServedModel], *,
                                                              timeout=settings.discovery.timeout),
                                 interval=settings.discovery.interval, join=engine_found, leave=engine_left,
                                 planned_kv_tokens=lambda m: planned_kv_tokens(m.profile) if m.profile else None)
+    metrics.registry.register(KvEventsCollector(cache.precise, {e.id: e.model for e in upstreams.engines()
+                                                                if e.id in kv_events.endpoints}))
     timeout = httpx.Timeout(settings.timeouts.first_byte, connect=settings.timeouts.connect)
     trimming = HistoryTrimming(lookup=make_lookup(upstreams, client, settings.routing, timeout), metrics=metrics)
 
@@ -99,10 +119,12 @@ def create_app(settings: GatewaySettings, models: Sequence[ServedModel], *,
         await discovery.start()  # engines found by DNS join after their first health check
         await health.start()
         await scraper.start()
+        await kv_events.start()
 
     async def shutdown() -> None:
         try:
             await discovery.aclose()
+            await kv_events.aclose()
             await scraper.aclose()
             await health.aclose()
         finally:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from server.config import ModelEngines, SettingsError, describe, read_mapping
 from server.gateway.engines.routing import Policy
+from server.gateway.engines.scoring import Weights
 
 
 class _Strict(BaseModel):
@@ -53,15 +54,30 @@ class Retries(_Strict):
 
 
 class Routing(_Strict):
-    policy: Policy = "least_outstanding"  # when no affinity decides (server.gateway.engines.routing)
+    # cache_aware: scored (server.gateway.engines.scoring); least_outstanding and round_robin:
+    # after the affinity key below (server.gateway.engines.routing).
+    policy: Policy = "cache_aware"
+    # cache_aware: which prefix index scores the prompt. precise: the engines' KV events (falls back
+    # to approximate while an engine's events are missing); approximate: what the gateway sent where.
+    prefix_index: Literal["precise", "approximate"] = "precise"
+    weights: Weights = Field(default_factory=Weights)
+    model_weights: dict[str, Weights] = Field(default_factory=dict)  # served model name -> its own weights
+    block_chars: int = Field(default=256, ge=16)  # approximate index: characters per prompt block
+    approximate_ttl: float = Field(default=600.0, gt=0)  # seconds a block sent stays in the record
+    speculative_ttl: float = Field(default=2.0, ge=0)  # precise: seconds a routed prompt counts as held
+    tokenize_timeout: float = Field(default=1.0, gt=0)  # precise: /tokenize; past it, approximate
     session_header: str = "x-session-id"
     # Requests whose first `prefix_chars` characters of prompt are equal prefer one engine...
     prefix_affinity: bool = True
     prefix_chars: int = Field(default=1024, ge=16)
     # Shorter prompts fit in less than one KV block; they gain nothing from affinity.
     prefix_min_chars: int = Field(default=256, ge=0)
-    # ...unless it already has this many more outstanding requests than the least loaded one.
+    # ...unless it already has this many more outstanding requests than the least loaded one
+    # (cache_aware: never a candidate then; also the load scorers' scale).
     max_imbalance: int = Field(default=8, ge=1)
+
+    def weights_for(self, model: str) -> Weights:
+        return self.model_weights.get(model, self.weights)
 
 
 class Auth(_Strict):

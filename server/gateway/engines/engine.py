@@ -31,6 +31,7 @@ class EngineMetrics:
     prefix_hits_tokens: float | None = None  # prompt tokens found there
     preemptions: float | None = None  # requests preempted because the KV cache was full
     kv_capacity_tokens: float | None = None  # KV-cache capacity the engine reports
+    block_size: int | None = None  # tokens per KV-cache block (vllm:cache_config_info)
 
 
 NO_METRICS = EngineMetrics()  # before the first good scrape, and after a failed one

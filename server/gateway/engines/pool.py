@@ -1,21 +1,27 @@
 """The engines behind the gateway, by served model, and the one step that gives a request a replica.
 
 `EnginePool` holds every served model's `ModelPool`: its replicas (`Engine`s) and what the gateway
-knows about the model (trimming settings, context length, its /v1/models card). State only, no
-I/O. Taking a replica (`ModelPool.acquire`) is the routing decision and the outstanding-request
-increment in one synchronous step, so two requests arriving together cannot both see an idle
-engine (there is no `await` in between).
+knows about the model (trimming settings, context length, its /v1/models card), and the prefix
+indexes every model shares (`CacheState`, cache.py). State only; the one I/O is reading a prompt
+for routing (`ModelPool.prompt`, which may ask an engine's /tokenize). Taking a replica
+(`ModelPool.route`, or `acquire` for the replica alone) is the routing decision, the
+outstanding-request increment and the record of where the prompt went, in one synchronous step,
+so two requests arriving together cannot both see an idle engine (there is no `await` in between).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from server.config import ServedModel
 from server.engine.profiles import Profile, TrimmingConfig
 from server.gateway.engines import routing
+from server.gateway.engines.cache import CacheState, PromptView
 from server.gateway.engines.engine import Engine
+from server.gateway.engines.scoring import Decision, choose_scored
 from server.gateway.errors import ModelNotFound
 from server.gateway.settings import Routing
 
@@ -28,6 +34,8 @@ class ModelPool:
     engines: list[Engine]
     trimming: TrimmingConfig = field(default_factory=lambda: TrimmingConfig(mode="off"))
     configured_max_model_len: int | None = None  # from the profile, until an engine reports its own
+    configured_block_size: int | None = None  # from the profile, until the engines say theirs
+    cache: CacheState = field(default_factory=CacheState)  # the prefix indexes (EnginePool shares one)
     _turn: int = field(default=0, init=False, repr=False)
 
     @property
@@ -42,18 +50,43 @@ class ModelPool:
 
     def acquire(self, policy: Routing, *, key: bytes | None = None, exclude: Iterable[Engine] = ()) -> Engine | None:
         """Choose a replica and count the request against it; None if no healthy one is left."""
+        decision = self.route(policy, key=key, exclude=exclude)
+        return decision.engine if decision is not None else None
+
+    async def prompt(self, policy: Routing, body: Mapping[str, Any], *, adapter: str | None = None) -> PromptView | None:
+        """The request's prompt in blocks, for `route` (None unless the policy is cache_aware)."""
+        if policy.policy != "cache_aware":
+            return None
+        return await self.cache.read(self.name, body, self.engines, precise=policy.prefix_index == "precise",
+                                     adapter=adapter)
+
+    def route(self, policy: Routing, *, key: bytes | None = None, prompt: PromptView | None = None,
+              exclude: Iterable[Engine] = ()) -> Decision | None:
+        """Choose a replica, count the request against it and say why; None if no healthy one is left."""
         self._turn += 1
-        engine = routing.choose(
-            self.engines,
-            key=key,
-            max_imbalance=policy.max_imbalance,
-            turn=self._turn,
-            policy=policy.policy,
-            exclude=tuple(exclude),
-        )
-        if engine is not None:
-            engine.outstanding += 1
-        return engine
+        exclude = tuple(exclude)
+        if policy.policy != "cache_aware":
+            chosen = routing.choose_with_reason(self.engines, key=key, max_imbalance=policy.max_imbalance,
+                                                turn=self._turn, policy=policy.policy, exclude=exclude)
+            if chosen is None:
+                return None
+            chosen[0].outstanding += 1
+            return Decision(chosen[0], chosen[1], policy.policy)
+        live = [e for e in self.engines if e.healthy and e not in exclude]
+        if not live:
+            return None
+        now = time.monotonic()
+        precise = policy.prefix_index == "precise"
+        source, blocks, candidates = self.cache.candidates(live, prompt, now, precise=precise,
+                                                           configured_block_size=self.configured_block_size)
+        preferred = routing.rendezvous_order(key, live)[0] if routing.is_session_key(key) and key else None
+        decision = choose_scored(candidates, weights=policy.weights_for(self.name), prompt_blocks=blocks,
+                                 preferred=preferred, max_imbalance=policy.max_imbalance, turn=self._turn,
+                                 source=source)
+        assert decision is not None  # `live` is not empty
+        decision.engine.outstanding += 1
+        self.cache.sent(decision.engine, prompt, now, configured_block_size=self.configured_block_size)
+        return decision
 
     @staticmethod
     def release(engine: Engine) -> None:
@@ -77,16 +110,18 @@ class ModelPool:
 class EnginePool:
     """Every served model's replicas, by model name."""
 
-    def __init__(self, models: Iterable[ModelPool]) -> None:
+    def __init__(self, models: Iterable[ModelPool], *, cache: CacheState | None = None) -> None:
         self.models: dict[str, ModelPool] = {}
+        self.cache = cache if cache is not None else CacheState()
         for pool in models:
+            pool.cache = self.cache
             if pool.name in self.models:
                 self.models[pool.name].engines.extend(pool.engines)
             else:
                 self.models[pool.name] = pool
 
     @classmethod
-    def from_models(cls, models: Iterable[ServedModel]) -> EnginePool:
+    def from_models(cls, models: Iterable[ServedModel], *, cache: CacheState | None = None) -> EnginePool:
         """One `Engine` per URL of each served model, with what its profile says."""
         pools = []
         for model in models:
@@ -99,9 +134,10 @@ class EnginePool:
                     engines=[Engine(model.name, url, planned_kv_tokens=planned) for url in model.urls],
                     trimming=model.trimming,
                     configured_max_model_len=model.profile.max_model_len if model.profile else None,
+                    configured_block_size=model.profile.block_size if model.profile else None,
                 )
             )
-        return cls(pools)
+        return cls(pools, cache=cache)
 
     def get(self, name: str) -> ModelPool:
         try:

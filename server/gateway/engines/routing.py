@@ -8,8 +8,12 @@ has `max_imbalance` more outstanding requests than the least loaded one is passe
 next one in the key's order, so one hot prefix or session cannot pile everything onto one engine.
 
 Without a key, or when every preferred replica is too busy, the configured policy decides (one
-function per policy, below `choose`). Default: the healthy replica with the fewest outstanding
-requests, ties broken by a rotating turn, so equal replicas share the load.
+function per policy, below `choose`): the healthy replica with the fewest outstanding requests,
+ties broken by a rotating turn, so equal replicas share the load; or each in turn.
+
+The default policy, `cache_aware`, is scored instead (scoring.py, fed by the prefix indexes
+through cache.py); the pool (pool.py) calls it. Here it means least outstanding, which is what
+it comes down to when nothing is known about the prompt.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Literal, assert_never
 from server.gateway.engines.engine import Engine
 
 # The policies by name, as `routing.policy` in the gateway config (server.gateway.settings) takes them.
-Policy = Literal["least_outstanding", "round_robin"]
+Policy = Literal["cache_aware", "least_outstanding", "round_robin"]
 
 
 def choose(
@@ -38,6 +42,21 @@ def choose(
     `turn` is a counter the caller advances per request (tie-breaking and round robin);
     `exclude` holds replicas already tried for this request.
     """
+    chosen = choose_with_reason(engines, key=key, max_imbalance=max_imbalance, turn=turn, policy=policy,
+                                exclude=exclude)
+    return chosen[0] if chosen is not None else None
+
+
+def choose_with_reason(
+    engines: Sequence[Engine],
+    *,
+    key: bytes | None = None,
+    max_imbalance: int = 8,
+    turn: int = 0,
+    policy: Policy = "least_outstanding",
+    exclude: Collection[Engine] = (),
+) -> tuple[Engine, str] | None:
+    """`choose`, and what decided: `affinity` (the key's replica) or the policy's name."""
     live = [e for e in engines if e.healthy and e not in exclude]
     if not live:
         return None
@@ -45,22 +64,20 @@ def choose(
         least = min(e.outstanding for e in live)
         for engine in rendezvous_order(key, live):
             if engine.outstanding - least < max_imbalance:
-                return engine
-    return by_policy(policy, live, turn)
+                return engine, "affinity"
+    return by_policy(policy, live, turn), policy
 
 
 # -- policies: one function each, choosing among live replicas -----------------------------------
-# A new policy is a function here, a `case` in `by_policy` and its name in `Policy`. One that reads
-# the engines' own figures (`engine.metrics.kv_usage`, `.waiting`, `.prefix_hits_tokens`, kept
-# current by the scraper) belongs here too; they are None until a scrape succeeds. State that is
-# not one engine's (a prefix index fed by KV events) lives in its own module of this package and
-# is passed in; this module stays pure.
+# A new policy is a function here, a `case` in `by_policy` and its name in `Policy`. The scored
+# policy reads the engines' own figures and the prefix indexes: scoring.py (a new scorer goes
+# there), with the indexes in approximate.py and precise.py, joined in cache.py.
 
 
 def by_policy(policy: Policy, live: Sequence[Engine], turn: int) -> Engine:
     """The replica `policy` picks among `live` (not empty)."""
     match policy:
-        case "least_outstanding":
+        case "least_outstanding" | "cache_aware":
             return least_outstanding(live, turn)
         case "round_robin":
             return round_robin(live, turn)
@@ -120,6 +137,11 @@ def prompt_prefix(body: Mapping[str, object], limit: int) -> str:
         if size >= limit:
             break
     return "".join(parts)[:limit]
+
+
+def is_session_key(key: bytes | None) -> bool:
+    """A key from a session header or the `user` field (not from the prompt)."""
+    return key is not None and key[:2] in (b"s\x00", b"u\x00")
 
 
 def affinity_key(

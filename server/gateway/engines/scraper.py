@@ -79,12 +79,16 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     capacity: float | None = None
+    block_size: int | None = None
     for family in text_string_to_metric_families(kept + "\n"):
         for sample in family.samples:
             if sample.name == CACHE_CONFIG:
                 value = _capacity(sample.labels)
                 if value is not None:
                     capacity = (capacity or 0.0) + value
+                size = _number(sample.labels.get("block_size"))
+                if size is not None and size >= 1:
+                    block_size = int(size)
             elif sample.name in _WANTED and math.isfinite(sample.value):
                 sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
                 counts[sample.name] = counts.get(sample.name, 0) + 1
@@ -103,6 +107,7 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
         prefix_hits_tokens=first(PREFIX_HITS),
         preemptions=first(PREEMPTIONS),
         kv_capacity_tokens=capacity,
+        block_size=block_size,
     )
 
 

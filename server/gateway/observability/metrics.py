@@ -150,6 +150,15 @@ class GatewayMetrics:
         )
         self._by_endpoint: dict[tuple[str, int], Counter] = {}
         self._ttft_by_endpoint: dict[str, Histogram] = {}
+        self._routing = Counter(
+            "gateway_routing_decisions",
+            "Replicas chosen, by model and by what decided (cache_aware: the scorer that gave the winner "
+            "its lead, e.g. prefix, balance, outstanding; or tie, only_choice, load_bound; other "
+            "policies: affinity, least_outstanding, round_robin).",
+            ["model", "reason"],
+            registry=reg,
+        )
+        self._by_reason: dict[tuple[str, str], Counter] = {}
 
     def _series(self, model: str) -> _ModelSeries:
         series = self._models.get(model)
@@ -210,6 +219,14 @@ class GatewayMetrics:
         if histogram is None:
             histogram = self._ttft_by_endpoint[endpoint] = self._endpoint_ttft.labels(endpoint)
         histogram.observe(seconds)
+
+    def routing_decision(self, model: str, reason: str) -> None:
+        """A request for `model` went to the replica `reason` decided (a bounded set of names)."""
+        label = self._series(model).label
+        counter = self._by_reason.get((label, reason))
+        if counter is None:
+            counter = self._by_reason[label, reason] = self._routing.labels(label, reason)
+        counter.inc()
 
     def usage(self, model: str, prompt_tokens: int, completion_tokens: int) -> None:
         """Token counts from an engine's `usage` object."""

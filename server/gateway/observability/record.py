@@ -29,6 +29,7 @@ class RequestMetrics(Protocol):
     def usage(self, model: str, prompt_tokens: int, completion_tokens: int) -> None: ...
     def endpoint_request(self, endpoint: str, code: int) -> None: ...
     def endpoint_first_token(self, endpoint: str, seconds: float) -> None: ...
+    def routing_decision(self, model: str, reason: str) -> None: ...
 
 
 @dataclass(slots=True)
@@ -49,6 +50,7 @@ class RequestRecord:
     error: str | None = None
     trimmed_messages: int | None = None
     trimmed_tokens: int | None = None
+    routing: dict[str, Any] | None = None  # why `engine` was chosen (engines.scoring.Decision.explain)
 
 
 def _token_count(value: object) -> int | None:
@@ -92,6 +94,8 @@ class RequestReporter:
         finally:
             metrics.request_finished(model, record.status, duration, record.stream)
             metrics.endpoint_request(record.endpoint, record.status)
+            if record.routing is not None:
+                metrics.routing_decision(model, str(record.routing.get("reason")))
         if self.log_request is not None:
             self.log_request(
                 request_id=record.request_id, model=record.model, engine=record.engine, status=record.status,
@@ -99,5 +103,5 @@ class RequestReporter:
                 ttft_s=record.first_token_at - record.arrived if record.first_token_at else None,
                 duration_s=duration, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                 trimmed_messages=record.trimmed_messages, trimmed_tokens=record.trimmed_tokens,
-                error=record.error,
+                error=record.error, routing=record.routing,
             )

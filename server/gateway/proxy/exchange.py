@@ -168,16 +168,19 @@ class Exchange:
         session = self.request.header(routing.session_header.lower().encode())
         key = affinity_key(self.request.body, session=session, prefix_affinity=routing.prefix_affinity,
                            prefix_chars=routing.prefix_chars, prefix_min_chars=routing.prefix_min_chars)
+        prompt = await pool.prompt(routing, self.request.body, adapter=self.request.adapter)  # cache_aware only
         attempts = settings.retries.max_attempts
         barred = excluded(self.request, pool)
         tried: list[Engine] = []
         failure: _Retry | None = None
         for attempt in range(attempts):
-            engine = pool.acquire(routing, key=key, exclude=[*barred, *tried] if barred else tried)
-            if engine is None:
+            decision = pool.route(routing, key=key, prompt=prompt, exclude=[*barred, *tried] if barred else tried)
+            if decision is None:
                 break
+            engine = decision.engine
             tried.append(engine)
             self.record.engine = engine.id
+            self.record.routing = decision.explain()
             try:
                 await self.attempt(engine)
                 return

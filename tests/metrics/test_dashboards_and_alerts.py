@@ -15,6 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.gateway.engines.collector import EngineCollector
 from server.gateway.engines.engine import Engine
+from server.gateway.engines.kv_events import KvEventsCollector
+from server.gateway.engines.precise import PreciseIndex
 from server.gateway.engines.scraper import parse_engine_metrics
 from server.gateway.observability.metrics import GatewayMetrics
 
@@ -61,6 +63,11 @@ def exported_names() -> set[str]:
     engine = Engine("tiny", "http://127.0.0.1:9", planned_kv_tokens=1000)
     engine.record_scrape(parse_engine_metrics(VLLM_TEXT), at=1.0)
     metrics.registry.register(EngineCollector([engine]))
+    metrics.routing_decision("tiny", "prefix")
+    index = PreciseIndex()
+    index.set_live(engine.id, True)
+    index.purge(engine.id, "gap")
+    metrics.registry.register(KvEventsCollector(index, {engine.id: "tiny"}))
     text = generate_latest(metrics.registry).decode()
     return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
 

@@ -37,6 +37,23 @@ class AgentGateway:
         return 0.0
 
 
+def closing_client_on_shutdown(app: Any, client: httpx.AsyncClient) -> Any:
+    """The app, closing the injected client in the server's own loop when it shuts down (the
+    gateway closes only the clients it made)."""
+    async def wrapped(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            return await app(scope, receive, send)
+
+        async def send_then_close(message: dict[str, Any]) -> None:
+            if message["type"] == "lifespan.shutdown.complete":
+                await client.aclose()
+            await send(message)
+
+        return await app(scope, receive, send_then_close)
+
+    return wrapped
+
+
 @pytest.fixture(scope="package")
 def agent_gateway(real_engine) -> Iterator[AgentGateway]:
     gateway = AgentGateway(url="", model=real_engine.model)
@@ -51,7 +68,7 @@ def agent_gateway(real_engine) -> Iterator[AgentGateway]:
     client = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0),  # nothing left open
                                event_hooks={"request": [record]})
     app = create_app(GatewaySettings(), models, http_client=client, registry=CollectorRegistry())
-    with serve_in_thread(app) as url:
+    with serve_in_thread(closing_client_on_shutdown(app, client)) as url:
         gateway.url = url
         yield gateway
 

@@ -241,10 +241,11 @@ def prepare(profile: Profile) -> None:
     if problems:
         raise EngineStartError(refuse_message(profile, problems))
     path = profile.model_path
-    if profile.build_tiny_model and path is not None and not (path / "config.json").exists():
-        from server.engine.tinymodel import build_tiny_model
+    if profile.build_tiny_model and path is not None:
+        from server.engine.tinymodel import build_tiny_model, is_current
 
-        build_tiny_model(path, log=lambda msg: log.info("[tiny-model] %s", msg))
+        if not is_current(path):  # missing, or built with an older chat template
+            build_tiny_model(path, log=lambda msg: log.info("[tiny-model] %s", msg))
     for adapter in profile.lora_adapters:  # the project's tiny LoRA adapter, where a profile asks for it
         if adapter.build_tiny:
             from server.engine.tinyadapter import build_tiny_adapter

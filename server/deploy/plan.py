@@ -83,7 +83,8 @@ class PlannedModel:
     def kv_events(self) -> dict[str, str]:
         """Engine URL -> KV-event endpoint, for the engines that publish them."""
         out = {engine.url: endpoint for engine in self.engines if (endpoint := engine.kv_events)}
-        out.update((url, endpoint) for url, endpoint in zip(self.remote, self.entry.kv_events) if endpoint)
+        pairs = zip(self.remote, self.entry.kv_events, strict=False)  # fewer endpoints than URLs: the rest publish none
+        out.update((url, endpoint) for url, endpoint in pairs if endpoint)
         return out
 
 

@@ -53,7 +53,8 @@ class ModelPool:
         decision = self.route(policy, key=key, exclude=exclude)
         return decision.engine if decision is not None else None
 
-    async def prompt(self, policy: Routing, body: Mapping[str, Any], *, adapter: str | None = None) -> PromptView | None:
+    async def prompt(self, policy: Routing, body: Mapping[str, Any], *,
+                     adapter: str | None = None) -> PromptView | None:
         """The request's prompt in blocks, for `route` (None unless the policy is cache_aware)."""
         if policy.policy != "cache_aware":
             return None

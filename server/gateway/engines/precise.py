@@ -16,7 +16,8 @@ of identical prompts does not scatter before the engine's events arrive (llm-d d
 
 `live` says whether the engine's events are being received (the subscriber is connected);
 while not, routing uses the approximate index for that engine. `purge` forgets an engine's blocks
-(sequence gap, reconnect, restart, AllBlocksCleared); what arrives after rebuilds them. State only, no I/O; the caller passes the clock.
+(sequence gap, reconnect, restart, AllBlocksCleared); what arrives after rebuilds them.
+State only, no I/O; the caller passes the clock.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from server.engine.planner import PlanError, load_model_config, plan_profile, text_config
 from server.engine.profiles import FP8_KV_CACHE_DTYPES, Profile, load_profile, resolve_profile_path
@@ -232,7 +233,7 @@ def check_parsers(profile: Profile, names: ParserNames | None = None) -> list[st
     return problems
 
 
-def model_max_len(config: dict) -> int | None:
+def model_max_len(config: dict[str, Any]) -> int | None:
     """The longest context the model supports: max_position_embeddings, stretched by
     rope scaling factors that extend it (yarn, dynamic, linear)."""
     cfg = text_config(config)

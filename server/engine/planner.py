@@ -151,7 +151,7 @@ def estimate_weight_bytes(config: dict[str, Any], dtype: str | None = None) -> i
     dense_mlp = 3 * hidden * int(cfg.get("intermediate_size") or 4 * hidden)
     experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
     if experts:
-        moe_inter = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size"))
+        moe_inter = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0)
         shared = int(cfg.get("n_shared_experts") or 0)
         moe_mlp = 3 * hidden * moe_inter * (experts + shared) + hidden * experts
         dense_layers = int(cfg.get("first_k_dense_replace") or 0)

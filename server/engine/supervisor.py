@@ -78,7 +78,7 @@ class EngineSupervisor:
         self._stopping = False
         self._ready = asyncio.Event()
         self._failed: EngineStartError | None = None
-        self._monitor: asyncio.Task | None = None
+        self._monitor: asyncio.Task[None] | None = None
         self._started_at = 0.0
         self._ready_at = 0.0
 

@@ -10,11 +10,14 @@ cache, scheduler, metrics) is the real thing.
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB_SIZE = 2048
@@ -70,19 +73,25 @@ def is_current(directory: str | Path) -> bool:
         tok_config = json.loads((directory / "tokenizer_config.json").read_text())
     except (OSError, ValueError):
         return False
-    return tok_config.get("chat_template") == CHAT_TEMPLATE
+    return bool(tok_config.get("chat_template") == CHAT_TEMPLATE)
 
 
-def build_tiny_model(directory: str | Path, *, force: bool = False, log=print) -> Path:
+def build_tiny_model(directory: str | Path, *, force: bool = False, log: Callable[[str], object] = print) -> Path:
     """Write the tiny model to `directory` (skipped when a current one is already there)."""
     directory = Path(directory)
     if is_current(directory) and not force:
         log(f"tiny model already at {directory}")
         return directory
 
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    # torch, tokenizers and transformers are imported here only (the gateway never loads them), and
+    # used as untyped modules: their own annotations do not describe these calls well enough.
+    torch: Any = importlib.import_module("torch")
+    tokenizers: Any = importlib.import_module("tokenizers")
+    transformers: Any = importlib.import_module("transformers")
+    Tokenizer, decoders, models = tokenizers.Tokenizer, tokenizers.decoders, tokenizers.models
+    pre_tokenizers, trainers = tokenizers.pre_tokenizers, tokenizers.trainers
+    LlamaConfig, LlamaForCausalLM = transformers.LlamaConfig, transformers.LlamaForCausalLM
+    PreTrainedTokenizerFast = transformers.PreTrainedTokenizerFast
 
     started = time.perf_counter()
     staging = directory.with_name(directory.name + ".partial")

@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from server.gateway.errors import AuthenticationFailed
-from server.gateway.settings import Auth, SettingsError
+from server.config import SettingsError
+from server.gateway.settings import Auth
 
 
 def load_api_keys(config: Auth, environ: Mapping[str, str] | None = None,

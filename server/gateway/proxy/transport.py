@@ -63,7 +63,7 @@ class _Connection(asyncio.Protocol):
         self.chunks: deque[bytes] = deque()
         self.buffered = 0
         self.paused = False
-        self._waiter: asyncio.Future | None = None
+        self._waiter: asyncio.Future[None] | None = None
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ CONFIG ?= configs/gateway.yaml
 PROFILE ?= configs/profiles/tiny-cpu.yaml
 PYTEST_ARGS ?=
 
-.PHONY: help install run engine tiny-model test test-fast test-busy bench loadtest up down up-cpu down-cpu compose compose-cpu helm-values prometheus clean
+.PHONY: help install run engine tiny-model lint format test test-fast test-busy bench loadtest up down up-cpu down-cpu compose compose-cpu helm-values prometheus clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -54,7 +54,18 @@ engine: install ## Run one engine of $(PROFILE) on port 8100
 tiny-model: install ## Build the tiny local model into .cache/tiny-llama
 	$(BIN)/python -m server tiny-model .cache/tiny-llama
 
-test: install prometheus ## Run the whole test suite (starts one real vLLM engine)
+LINTED := server loadtest tests bench examples
+
+lint: install ## ruff (lint + format check) and mypy (strict on server/gateway)
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
+	$(BIN)/mypy
+
+format: install ## Apply ruff's formatting and safe fixes
+	$(BIN)/ruff format $(LINTED)
+	$(BIN)/ruff check --fix $(LINTED)
+
+test: install prometheus lint ## Lint and type check, then the whole test suite (starts one real vLLM engine)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: install ## Tests that need no real engine and no Prometheus

@@ -215,7 +215,7 @@ async def _worker(host, port, payload, counters, first_token_event, stop: asynci
             started = time.perf_counter()
             recording = counters.recording
             response = await asyncio.wait_for(connection.request(payload), timeout)
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError) as exc:
             if counters.recording:
                 kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else f"connect: {type(exc).__name__}"
                 counters.errors[kind] = counters.errors.get(kind, 0) + 1

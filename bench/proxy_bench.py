@@ -85,7 +85,12 @@ def start_paths(procs: Processes, engine_url: str, paths: list[str]) -> dict[str
 
 
 def run_loadgen(
-    procs: Processes, url: str, concurrency: int, duration: float, warmup: float, cpu: dict[str, Started],
+    procs: Processes,
+    url: str,
+    concurrency: int,
+    duration: float,
+    warmup: float,
+    cpu: dict[str, Started],
     samples: bool = False,
 ) -> dict:
     argv = [
@@ -138,11 +143,15 @@ def judge(ours: dict, router: dict | None) -> dict[str, bool | None]:
 
     met: dict[str, bool | None] = {}
     if router and both(ours["added_ttft_ms_at_4"], router["added_ttft_ms_at_4"]):
-        met["added_ttft"] = ours["added_ttft_ms_at_4"] <= router["added_ttft_ms_at_4"] + GOALS["added_ttft_ms_over_router"]
+        met["added_ttft"] = (
+            ours["added_ttft_ms_at_4"] <= router["added_ttft_ms_at_4"] + GOALS["added_ttft_ms_over_router"]
+        )
     else:
         met["added_ttft"] = None
     if router and both(ours["cpu_us_per_chunk_at_64"], router["cpu_us_per_chunk_at_64"]):
-        met["cpu_per_chunk"] = ours["cpu_us_per_chunk_at_64"] <= GOALS["cpu_per_chunk_vs_router"] * router["cpu_us_per_chunk_at_64"]
+        met["cpu_per_chunk"] = (
+            ours["cpu_us_per_chunk_at_64"] <= GOALS["cpu_per_chunk_vs_router"] * router["cpu_us_per_chunk_at_64"]
+        )
     else:
         met["cpu_per_chunk"] = None
     kept = ours["throughput_kept_at_128"]
@@ -292,7 +301,7 @@ METHOD = (
     "utime + stime of the proxy's whole process tree (and its reaped children) from /proc, over the "
     "window, divided by the chunks delivered in the window. Throughput: chunks per second delivered. "
     "Errors: non-200 answers, broken connections, streams without `data: [DONE]`, error events, "
-    "answers slower than 60 s. \"Other processes' CPU\" is the busy time of both cores (/proc/stat) "
+    'answers slower than 60 s. "Other processes\' CPU" is the busy time of both cores (/proc/stat) '
     "minus that of the engine, the proxy and the load generator: what the rest of a shared machine "
     "took during the window; when it is not near zero the figures are noisy."
 )
@@ -358,10 +367,14 @@ def main(argv: list[str] | None = None) -> int:
                     if started[path]["process"] is not None:
                         cpu["proxy"] = started[path]["process"]
                     before = engine_stats(engine_url)
-                    window = run_loadgen(procs, started[path]["url"], concurrency, duration, args.warmup, cpu, rounds > 1)
+                    window = run_loadgen(
+                        procs, started[path]["url"], concurrency, duration, args.warmup, cpu, rounds > 1
+                    )
                     after = engine_stats(engine_url)
                     # what the proxy made the engine do besides generating (whole run, not the window)
-                    window["engine_counts"] = {key: after[key] - before[key] for key in ("tokenize_calls", "aborted", "started")}
+                    window["engine_counts"] = {
+                        key: after[key] - before[key] for key in ("tokenize_calls", "aborted", "started")
+                    }
                     windows[path].append(window)
             for path in live:
                 result = summarize(windows[path])

@@ -139,7 +139,9 @@ def run(procs: Processes, engine: Started, engine_url: str, requests: int = 150,
         tokens = httpx.post(f"{engine_url}/tokenize", json={"model": MODEL, "messages": history(HISTORY_MESSAGES)})
         result["history_tokens_at_standin"] = tokens.json().get("count")
         _use_uvloop()
-        measured = asyncio.run(_measure({mode: url for mode, (_, url) in started.items()}, engine_url, requests, warmup))
+        measured = asyncio.run(
+            _measure({mode: url for mode, (_, url) in started.items()}, engine_url, requests, warmup)
+        )
         result.update(measured)
         on, off = measured["modes"]["auto"]["ttft_p50_ms"], measured["modes"]["off"]["ttft_p50_ms"]
         result["added_ttft_p50_ms"] = None if on is None or off is None else on - off

@@ -76,8 +76,10 @@ TOOLS: list[dict[str, Any]] = [
     },
 ]
 
-SYSTEM = ("You are a travel planning agent. Use search_poi to find places and get_weather for the "
-          "forecast, then answer with a short plan for the day.")
+SYSTEM = (
+    "You are a travel planning agent. Use search_poi to find places and get_weather for the "
+    "forecast, then answer with a short plan for the day."
+)
 
 
 def _pick(seed: str, options: list[Any]) -> Any:
@@ -86,18 +88,29 @@ def _pick(seed: str, options: list[Any]) -> Any:
 
 def search_poi(city: str, kind: str) -> dict[str, Any]:
     """A stand-in for a places API: three deterministic results."""
-    return {"city": city, "kind": kind, "results": [
-        {"name": f"{city} {kind} {i}", "rating": _pick(f"{city}{kind}{i}", [3.9, 4.2, 4.5, 4.8]),
-         "open": _pick(f"{city}{kind}{i}h", ["09:00-17:00", "10:00-18:00", "12:00-23:00"]),
-         "distance_km": _pick(f"{city}{kind}{i}d", [0.4, 1.2, 2.5])}
-        for i in (1, 2, 3)
-    ]}
+    return {
+        "city": city,
+        "kind": kind,
+        "results": [
+            {
+                "name": f"{city} {kind} {i}",
+                "rating": _pick(f"{city}{kind}{i}", [3.9, 4.2, 4.5, 4.8]),
+                "open": _pick(f"{city}{kind}{i}h", ["09:00-17:00", "10:00-18:00", "12:00-23:00"]),
+                "distance_km": _pick(f"{city}{kind}{i}d", [0.4, 1.2, 2.5]),
+            }
+            for i in (1, 2, 3)
+        ],
+    }
 
 
 def get_weather(city: str, day: int) -> dict[str, Any]:
     """A stand-in for a weather API."""
-    return {"city": city, "day": day, "forecast": _pick(f"{city}{day}", ["sunny", "cloudy", "rain"]),
-            "high_c": _pick(f"{city}{day}t", [17, 21, 24, 28])}
+    return {
+        "city": city,
+        "day": day,
+        "forecast": _pick(f"{city}{day}", ["sunny", "cloudy", "rain"]),
+        "high_c": _pick(f"{city}{day}t", [17, 21, 24, 28]),
+    }
 
 
 LOCAL_TOOLS: dict[str, Callable[..., dict[str, Any]]] = {"search_poi": search_poi, "get_weather": get_weather}
@@ -139,24 +152,41 @@ class Turn:
         return self.steps[-1].message.get("content") or "" if self.steps else ""
 
 
-def ask(client: OpenAI, model: str, messages: list[dict[str, Any]], *, tool_choice: Any, stream: bool,
-        max_tokens: int, seed: int) -> Step:
+def ask(
+    client: OpenAI,
+    model: str,
+    messages: list[dict[str, Any]],
+    *,
+    tool_choice: Any,
+    stream: bool,
+    max_tokens: int,
+    seed: int,
+) -> Step:
     """One chat request with the tools; streamed tool-call deltas are put back together by index."""
     started = time.perf_counter()
-    request = dict(model=model, messages=messages, tools=TOOLS, tool_choice=tool_choice,
-                   max_tokens=max_tokens, seed=seed)
+    request = dict(
+        model=model, messages=messages, tools=TOOLS, tool_choice=tool_choice, max_tokens=max_tokens, seed=seed
+    )
     if not stream:
         raw = client.chat.completions.with_raw_response.create(**request)
         completion = raw.parse()
         choice = completion.choices[0]
         reply = choice.message.model_dump(include={"role", "content", "tool_calls"}, exclude_none=True)
-        return Step(reply, len(messages), choice.finish_reason, None, time.perf_counter() - started,
-                    completion.usage.prompt_tokens if completion.usage else None,
-                    completion.usage.completion_tokens if completion.usage else None,
-                    raw.headers.get("x-trim-status"), int(raw.headers.get("x-trimmed-messages", 0)))
+        return Step(
+            reply,
+            len(messages),
+            choice.finish_reason,
+            None,
+            time.perf_counter() - started,
+            completion.usage.prompt_tokens if completion.usage else None,
+            completion.usage.completion_tokens if completion.usage else None,
+            raw.headers.get("x-trim-status"),
+            int(raw.headers.get("x-trimmed-messages", 0)),
+        )
 
-    raw = client.chat.completions.with_raw_response.create(**request, stream=True,
-                                                           stream_options={"include_usage": True})
+    raw = client.chat.completions.with_raw_response.create(
+        **request, stream=True, stream_options={"include_usage": True}
+    )
     chunks = raw.parse()
     content: list[str] = []
     calls: dict[int, dict[str, Any]] = {}
@@ -171,8 +201,9 @@ def ask(client: OpenAI, model: str, messages: list[dict[str, Any]], *, tool_choi
                     first = time.perf_counter() - started
                 content.append(delta.content or "")
                 for part in delta.tool_calls or []:
-                    call = calls.setdefault(part.index, {"id": "", "type": "function",
-                                                         "function": {"name": "", "arguments": ""}})
+                    call = calls.setdefault(
+                        part.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+                    )
                     call["id"] = part.id or call["id"]
                     if part.function is not None:
                         call["function"]["name"] += part.function.name or ""
@@ -181,14 +212,30 @@ def ask(client: OpenAI, model: str, messages: list[dict[str, Any]], *, tool_choi
     message: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
     if calls:
         message["tool_calls"] = [calls[i] for i in sorted(calls)]
-    return Step(message, len(messages), finish, first, time.perf_counter() - started,
-                usage.prompt_tokens if usage else None, usage.completion_tokens if usage else None,
-                raw.headers.get("x-trim-status"), int(raw.headers.get("x-trimmed-messages", 0)))
+    return Step(
+        message,
+        len(messages),
+        finish,
+        first,
+        time.perf_counter() - started,
+        usage.prompt_tokens if usage else None,
+        usage.completion_tokens if usage else None,
+        raw.headers.get("x-trim-status"),
+        int(raw.headers.get("x-trimmed-messages", 0)),
+    )
 
 
-def run_agent(client: OpenAI, model: str, *, turns: int = 30, stream: bool = True, tool_choice: str = "named",
-              max_steps: int = 3, max_tokens: int = 160,
-              on_turn: Callable[[Turn], None] | None = None) -> tuple[list[Turn], list[dict[str, Any]]]:
+def run_agent(
+    client: OpenAI,
+    model: str,
+    *,
+    turns: int = 30,
+    stream: bool = True,
+    tool_choice: str = "named",
+    max_steps: int = 3,
+    max_tokens: int = 160,
+    on_turn: Callable[[Turn], None] | None = None,
+) -> tuple[list[Turn], list[dict[str, Any]]]:
     """Run the conversation; returns every turn and the whole history the agent kept."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
     done: list[Turn] = []
@@ -203,16 +250,24 @@ def run_agent(client: OpenAI, model: str, *, turns: int = 30, stream: bool = Tru
                 choice = {"type": "function", "function": {"name": tool}}
             else:
                 choice = "auto" if tool_choice in {"named", "auto"} else tool_choice
-            step = ask(client, model, messages, tool_choice=choice, stream=stream, max_tokens=max_tokens,
-                       seed=number * 10 + step_index)
+            step = ask(
+                client,
+                model,
+                messages,
+                tool_choice=choice,
+                stream=stream,
+                max_tokens=max_tokens,
+                seed=number * 10 + step_index,
+            )
             turn.steps.append(step)
             messages.append(step.message)
             if not step.message.get("tool_calls"):
                 break
             for call in step.message["tool_calls"]:
                 result = run_tool(call["function"]["name"], call["function"]["arguments"])
-                turn.calls.append({"name": call["function"]["name"], "arguments": call["function"]["arguments"],
-                                   "result": result})
+                turn.calls.append(
+                    {"name": call["function"]["name"], "arguments": call["function"]["arguments"], "result": result}
+                )
                 messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
         done.append(turn)
         if on_turn is not None:
@@ -231,8 +286,10 @@ def print_turn(turn: Turn) -> None:
     first = turn.steps[0]
     ttft = f"{first.first_token_s * 1000:6.0f} ms" if first.first_token_s is not None else "      -  "
     calls = ", ".join(f"{c['name']}({_compact(c['arguments'])})" for c in turn.calls) or "no tool call"
-    print(f"turn {turn.number:2d}  ttft {ttft}  prompt {first.prompt_tokens or 0:5d} tok  "
-          f"trim {first.trim_status or '-':9s} dropped {first.trimmed_messages:3d}  {calls}")
+    print(
+        f"turn {turn.number:2d}  ttft {ttft}  prompt {first.prompt_tokens or 0:5d} tok  "
+        f"trim {first.trim_status or '-':9s} dropped {first.trimmed_messages:3d}  {calls}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,12 +303,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-stream", dest="stream", action="store_false")
     args = parser.parse_args(argv)
     with OpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0, timeout=300) as client:
-        turns, messages = run_agent(client, args.model, turns=args.turns, stream=args.stream,
-                                    tool_choice=args.tool_choice, max_tokens=args.max_tokens, on_turn=print_turn)
+        turns, messages = run_agent(
+            client,
+            args.model,
+            turns=args.turns,
+            stream=args.stream,
+            tool_choice=args.tool_choice,
+            max_tokens=args.max_tokens,
+            on_turn=print_turn,
+        )
     trimmed = sum(1 for t in turns for s in t.steps if s.trim_status == "trimmed")
-    print(f"{len(turns)} turns, {sum(len(t.calls) for t in turns)} tool calls, {len(messages)} messages in "
-          f"the agent's history; the gateway trimmed {trimmed} of "
-          f"{sum(len(t.steps) for t in turns)} requests", file=sys.stderr)
+    print(
+        f"{len(turns)} turns, {sum(len(t.calls) for t in turns)} tool calls, {len(messages)} messages in "
+        f"the agent's history; the gateway trimmed {trimmed} of "
+        f"{sum(len(t.steps) for t in turns)} requests",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -69,7 +69,7 @@ def _int_list(text: str) -> list[int]:
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers separated by commas: {text!r}")
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas: {text!r}") from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError("concurrency values must be at least 1")
     return values
@@ -79,7 +79,7 @@ def _float_list(text: str) -> list[float]:
     try:
         values = [float(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers separated by commas: {text!r}")
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas: {text!r}") from None
     if not values or min(values) <= 0:
         raise argparse.ArgumentTypeError("rates must be positive")
     return values
@@ -92,7 +92,7 @@ def _warmup(text: str) -> tuple[int, float]:
             return 0, float(text[:-1])
         return int(text), 0.0
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--warmup takes a count (5) or seconds (10s): {text!r}")
+        raise argparse.ArgumentTypeError(f"--warmup takes a count (5) or seconds (10s): {text!r}") from None
 
 
 def _header(text: str) -> tuple[str, str]:
@@ -106,108 +106,206 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m loadtest",
         description="Load-test an OpenAI-compatible chat endpoint from outside, as a client: "
-                    "streamed requests, TTFT/TPOT/ITL/E2E, throughput, goodput, errors by kind.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "streamed requests, TTFT/TPOT/ITL/E2E, throughput, goodput, errors by kind.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     target = parser.add_argument_group("target")
-    target.add_argument("--url", required=True,
-                        help="the server's base URL, with or without /v1 (e.g. http://127.0.0.1:8000)")
+    target.add_argument(
+        "--url", required=True, help="the server's base URL, with or without /v1 (e.g. http://127.0.0.1:8000)"
+    )
     target.add_argument("--model", required=True, help="the model name to send")
-    target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
-                        help="bearer token (default: $OPENAI_API_KEY)")
-    target.add_argument("--header", action="append", type=_header, default=[], metavar="'K: V'",
-                        help="extra request header (repeatable)")
-    target.add_argument("--record-header", action="append", default=[], metavar="NAME",
-                        help="keep this response header in requests.jsonl (repeatable; e.g. "
-                             "x-trim-status)")
-    target.add_argument("--metrics-url", help="a vLLM /metrics URL to sample KV-cache usage "
-                        "during the run (per request and per turn) and prefix-cache hits per run")
-    target.add_argument("--engine-timings-url", metavar="URL",
-                        help="a server's per-request timings (the stand-in's /_standin/timings): "
-                             "joined with ours by x-request-id, the summary gets the load "
-                             "tester's own added TTFT (median_added_ttft_ms, ...)")
-    target.add_argument("--http-client", choices=HTTP_CLIENTS, default="raw",
-                        help="HTTP machinery: raw (asyncio + httptools, default; measured "
-                             "exact up to the limits in the README) or httpx")
-    target.add_argument("--loop", choices=aio.LOOPS, default="auto",
-                        help="event loop: uvloop when installed (auto), or asyncio")
-    target.add_argument("--metrics-interval", type=float, default=0.1, metavar="SECONDS",
-                        help="how often --metrics-url is sampled during a run (0.1)")
+    target.add_argument(
+        "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default: $OPENAI_API_KEY)"
+    )
+    target.add_argument(
+        "--header",
+        action="append",
+        type=_header,
+        default=[],
+        metavar="'K: V'",
+        help="extra request header (repeatable)",
+    )
+    target.add_argument(
+        "--record-header",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="keep this response header in requests.jsonl (repeatable; e.g. x-trim-status)",
+    )
+    target.add_argument(
+        "--metrics-url",
+        help="a vLLM /metrics URL to sample KV-cache usage "
+        "during the run (per request and per turn) and prefix-cache hits per run",
+    )
+    target.add_argument(
+        "--engine-timings-url",
+        metavar="URL",
+        help="a server's per-request timings (the stand-in's /_standin/timings): "
+        "joined with ours by x-request-id, the summary gets the load "
+        "tester's own added TTFT (median_added_ttft_ms, ...)",
+    )
+    target.add_argument(
+        "--http-client",
+        choices=HTTP_CLIENTS,
+        default="raw",
+        help="HTTP machinery: raw (asyncio + httptools, default; measured "
+        "exact up to the limits in the README) or httpx",
+    )
+    target.add_argument(
+        "--loop", choices=aio.LOOPS, default="auto", help="event loop: uvloop when installed (auto), or asyncio"
+    )
+    target.add_argument(
+        "--metrics-interval",
+        type=float,
+        default=0.1,
+        metavar="SECONDS",
+        help="how often --metrics-url is sampled during a run (0.1)",
+    )
 
     work = parser.add_argument_group("workload")
-    work.add_argument("--scenario", choices=scenarios.SCENARIOS, default="itinerary",
-                      help="the workload (default itinerary; see below)")
+    work.add_argument(
+        "--scenario",
+        choices=scenarios.SCENARIOS,
+        default="itinerary",
+        help="the workload (default itinerary; see below)",
+    )
     work.add_argument("--file", help="JSONL file for --scenario file")
     work.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals (default 0)")
-    work.add_argument("--max-tokens", type=int, default=64,
-                      help="max_tokens per request (default 64; the mean for --length-dist)")
-    work.add_argument("--ignore-eos", action="store_true",
-                      help="send vLLM's ignore_eos so every answer has --max-tokens tokens")
-    work.add_argument("--extra-body", type=json.loads, default=None, metavar="JSON",
-                      help="JSON object merged into every request body")
+    work.add_argument(
+        "--max-tokens", type=int, default=64, help="max_tokens per request (default 64; the mean for --length-dist)"
+    )
+    work.add_argument(
+        "--ignore-eos", action="store_true", help="send vLLM's ignore_eos so every answer has --max-tokens tokens"
+    )
+    work.add_argument(
+        "--extra-body", type=json.loads, default=None, metavar="JSON", help="JSON object merged into every request body"
+    )
     work.add_argument("--turns", type=int, default=8, help="itinerary: turns per session (8)")
-    work.add_argument("--think-time", type=float, default=0.0, metavar="SECONDS",
-                      help="pause between an answer and the session's next turn (0)")
-    work.add_argument("--system-chars", type=int, default=500,
-                      help="itinerary/articles: system prompt size in characters (500)")
-    work.add_argument("--context-chars", type=int, default=2000,
-                      help="itinerary: retrieved POI context in characters (2000)")
+    work.add_argument(
+        "--think-time",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="pause between an answer and the session's next turn (0)",
+    )
+    work.add_argument(
+        "--system-chars", type=int, default=500, help="itinerary/articles: system prompt size in characters (500)"
+    )
+    work.add_argument(
+        "--context-chars", type=int, default=2000, help="itinerary: retrieved POI context in characters (2000)"
+    )
     work.add_argument("--num-prompts", type=int, default=100, help="articles: prompts (100)")
-    work.add_argument("--input-chars", type=int, default=1000,
-                      help="random: prompt size in characters (1000)")
-    work.add_argument("--length-dist", choices=("fixed", "uniform", "normal"), default="fixed",
-                      help="random: distribution of input chars and max_tokens (fixed)")
-    work.add_argument("--length-spread", type=float, default=0.25,
-                      help="random: uniform +-fraction, or normal sd as a fraction (0.25)")
-    work.add_argument("--end-session-on-error", action="store_true",
-                      help="abandon a session after a failed turn (default: go on with the "
-                           "next turn, the failed one left out of the history)")
+    work.add_argument("--input-chars", type=int, default=1000, help="random: prompt size in characters (1000)")
+    work.add_argument(
+        "--length-dist",
+        choices=("fixed", "uniform", "normal"),
+        default="fixed",
+        help="random: distribution of input chars and max_tokens (fixed)",
+    )
+    work.add_argument(
+        "--length-spread",
+        type=float,
+        default=0.25,
+        help="random: uniform +-fraction, or normal sd as a fraction (0.25)",
+    )
+    work.add_argument(
+        "--end-session-on-error",
+        action="store_true",
+        help="abandon a session after a failed turn (default: go on with the "
+        "next turn, the failed one left out of the history)",
+    )
 
     load = parser.add_argument_group("load shape and stop")
-    load.add_argument("--concurrency", type=_int_list, default=None, metavar="N[,N...]",
-                      help="closed-loop users (default 4); with --rate, a ceiling on requests "
-                           "in flight; a list sweeps")
-    load.add_argument("--rate", type=_float_list, default=None, metavar="R[,R...]",
-                      help="open loop: new sessions per second (a request each for single-turn "
-                           "scenarios); a list sweeps")
-    load.add_argument("--arrival", choices=ARRIVALS, default="poisson",
-                      help="open-loop arrivals (poisson)")
-    load.add_argument("--burstiness", type=float, default=1.0,
-                      help="gamma shape: <1 burstier, >1 smoother than Poisson (1)")
-    load.add_argument("--num-requests", type=int, default=None,
-                      help="measured requests per run (default: itinerary 32, articles "
-                           "--num-prompts, random 50, file: every request once)")
-    load.add_argument("--duration", type=float, default=None, metavar="SECONDS",
-                      help="stop starting requests this long after the first measured one")
-    load.add_argument("--warmup", type=_warmup, default=(0, 0.0), metavar="N|Ns",
-                      help="requests (5) or seconds (10s) at the start excluded from metrics")
-    load.add_argument("--timeout", type=float, default=60.0,
-                      help="seconds one request may take in total (60)")
+    load.add_argument(
+        "--concurrency",
+        type=_int_list,
+        default=None,
+        metavar="N[,N...]",
+        help="closed-loop users (default 4); with --rate, a ceiling on requests in flight; a list sweeps",
+    )
+    load.add_argument(
+        "--rate",
+        type=_float_list,
+        default=None,
+        metavar="R[,R...]",
+        help="open loop: new sessions per second (a request each for single-turn scenarios); a list sweeps",
+    )
+    load.add_argument("--arrival", choices=ARRIVALS, default="poisson", help="open-loop arrivals (poisson)")
+    load.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape: <1 burstier, >1 smoother than Poisson (1)"
+    )
+    load.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="measured requests per run (default: itinerary 32, articles "
+        "--num-prompts, random 50, file: every request once)",
+    )
+    load.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop starting requests this long after the first measured one",
+    )
+    load.add_argument(
+        "--warmup",
+        type=_warmup,
+        default=(0, 0.0),
+        metavar="N|Ns",
+        help="requests (5) or seconds (10s) at the start excluded from metrics",
+    )
+    load.add_argument("--timeout", type=float, default=60.0, help="seconds one request may take in total (60)")
 
     ab = parser.add_argument_group("A/B comparison")
     ab.add_argument("--compare", metavar="URL2", help="run the same workload against URL2 (B)")
-    ab.add_argument("--compare-mode", choices=("sequential", "paired"), default="sequential",
-                    help="sequential: the whole run on A, then on B (default); paired: every "
-                         "turn goes to A and B back to back (order alternating per session), "
-                         "for small differences on a noisy machine")
+    ab.add_argument(
+        "--compare-mode",
+        choices=("sequential", "paired"),
+        default="sequential",
+        help="sequential: the whole run on A, then on B (default); paired: every "
+        "turn goes to A and B back to back (order alternating per session), "
+        "for small differences on a noisy machine",
+    )
     ab.add_argument("--compare-model", help="model name at URL2 (default: --model)")
-    ab.add_argument("--compare-header", action="append", type=_header, default=[],
-                    metavar="'K: V'", help="extra header for B only (e.g. 'x-trim-mode: off')")
+    ab.add_argument(
+        "--compare-header",
+        action="append",
+        type=_header,
+        default=[],
+        metavar="'K: V'",
+        help="extra header for B only (e.g. 'x-trim-mode: off')",
+    )
     ab.add_argument("--compare-metrics-url", help="B's /metrics URL")
     ab.add_argument("--label-a", default="A", help="name of the --url target in reports")
     ab.add_argument("--label-b", default="B", help="name of the --compare target in reports")
 
     out = parser.add_argument_group("output and SLOs")
-    out.add_argument("--output", metavar="DIR",
-                     help="where to write the results (default loadtest/out/SCENARIO-TIME)")
-    out.add_argument("--slo", action="append", default=[], metavar="KEY:VALUE",
-                     help="per-request objective: ttft:500ms, tpot:50ms, e2e:5s (repeatable)")
-    out.add_argument("--slo-attainment", type=float, default=0.95,
-                     help="share of requests that must meet every --slo (0.95)")
-    out.add_argument("--progress", choices=("auto", "tty", "plain", "off"), default="auto",
-                     help="live progress: rewritten line on a terminal, plain lines otherwise")
-    out.add_argument("--loop-lag-limit", type=float, default=Limits().p99_loop_lag_ms,
-                     metavar="MS", help="warn that the load generator was saturated when its "
-                     "event loop lagged more than this at p99 (5)")
+    out.add_argument("--output", metavar="DIR", help="where to write the results (default loadtest/out/SCENARIO-TIME)")
+    out.add_argument(
+        "--slo",
+        action="append",
+        default=[],
+        metavar="KEY:VALUE",
+        help="per-request objective: ttft:500ms, tpot:50ms, e2e:5s (repeatable)",
+    )
+    out.add_argument(
+        "--slo-attainment", type=float, default=0.95, help="share of requests that must meet every --slo (0.95)"
+    )
+    out.add_argument(
+        "--progress",
+        choices=("auto", "tty", "plain", "off"),
+        default="auto",
+        help="live progress: rewritten line on a terminal, plain lines otherwise",
+    )
+    out.add_argument(
+        "--loop-lag-limit",
+        type=float,
+        default=Limits().p99_loop_lag_ms,
+        metavar="MS",
+        help="warn that the load generator was saturated when its event loop lagged more than this at p99 (5)",
+    )
     out.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     return parser
 
@@ -219,18 +317,29 @@ def _shapes(args: argparse.Namespace) -> list[LoadShape]:
         raise ValueError("sweep either --concurrency or --rate, not both")
     ceilings = args.concurrency or [None]
     if len(ceilings) > 1:
-        return [LoadShape(concurrency=c, rate=args.rate[0], arrival=args.arrival,
-                          burstiness=args.burstiness) for c in ceilings]
-    return [LoadShape(concurrency=ceilings[0], rate=r, arrival=args.arrival,
-                      burstiness=args.burstiness) for r in args.rate]
+        return [
+            LoadShape(concurrency=c, rate=args.rate[0], arrival=args.arrival, burstiness=args.burstiness)
+            for c in ceilings
+        ]
+    return [
+        LoadShape(concurrency=ceilings[0], rate=r, arrival=args.arrival, burstiness=args.burstiness) for r in args.rate
+    ]
 
 
 def _sessions(args: argparse.Namespace):
     return scenarios.build(
-        args.scenario, seed=args.seed, max_tokens=args.max_tokens, turns=args.turns,
-        system_chars=args.system_chars, context_chars=args.context_chars,
-        num_prompts=args.num_prompts, input_chars=args.input_chars,
-        length_dist=args.length_dist, length_spread=args.length_spread, file=args.file)
+        args.scenario,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        turns=args.turns,
+        system_chars=args.system_chars,
+        context_chars=args.context_chars,
+        num_prompts=args.num_prompts,
+        input_chars=args.input_chars,
+        length_dist=args.length_dist,
+        length_spread=args.length_spread,
+        file=args.file,
+    )
 
 
 def _stop(args: argparse.Namespace) -> StopRule:
@@ -242,79 +351,114 @@ def _stop(args: argparse.Namespace) -> StopRule:
             count = sum(len(s.turns) for s in _sessions(args))
         else:
             count = DEFAULT_REQUESTS[args.scenario]
-    return StopRule(num_requests=count, duration_s=args.duration,
-                    warmup_requests=args.warmup[0], warmup_s=args.warmup[1])
+    return StopRule(
+        num_requests=count, duration_s=args.duration, warmup_requests=args.warmup[0], warmup_s=args.warmup[1]
+    )
 
 
 def _targets(args: argparse.Namespace) -> list[dict]:
     extra = dict(args.extra_body or {})
     if args.ignore_eos:
         extra["ignore_eos"] = True
-    targets = [{"label": args.label_a, "url": args.url, "model": args.model,
-                "headers": dict(args.header), "metrics_url": args.metrics_url, "extra": extra}]
+    targets = [
+        {
+            "label": args.label_a,
+            "url": args.url,
+            "model": args.model,
+            "headers": dict(args.header),
+            "metrics_url": args.metrics_url,
+            "extra": extra,
+        }
+    ]
     if args.compare:
-        targets.append({"label": args.label_b, "url": args.compare,
-                        "model": args.compare_model or args.model,
-                        "headers": {**dict(args.header), **dict(args.compare_header)},
-                        "metrics_url": args.compare_metrics_url, "extra": extra})
+        targets.append(
+            {
+                "label": args.label_b,
+                "url": args.compare,
+                "model": args.compare_model or args.model,
+                "headers": {**dict(args.header), **dict(args.compare_header)},
+                "metrics_url": args.compare_metrics_url,
+                "extra": extra,
+            }
+        )
     return targets
 
 
-async def run_all(args: argparse.Namespace, shapes: list[LoadShape], stop: StopRule,
-                  slos: dict[str, float], progress: Progress) -> tuple[list, list]:
+async def run_all(
+    args: argparse.Namespace, shapes: list[LoadShape], stop: StopRule, slos: dict[str, float], progress: Progress
+) -> tuple[list, list]:
     """Every load level against every target: A then B per level, or both paired."""
     outcomes: list[RunOutcome] = []
     comparisons: list[Comparison] = []
     targets = _targets(args)
-    groups = [targets] if args.compare_mode == "paired" and len(targets) == 2 else [
-        [t] for t in targets]
+    groups = [targets] if args.compare_mode == "paired" and len(targets) == 2 else [[t] for t in targets]
     async with httpx.AsyncClient(trust_env=False) as probe_http:
         for shape in shapes:
             level: list[RunOutcome] = []
             for group in groups:
                 results = await _run_group(args, group, shape, stop, progress, probe_http)
                 for target, result in zip(group, results):
-                    outcome = RunOutcome.of(result, normalize_base_url(target["url"]), slos,
-                                            limits=Limits(p99_loop_lag_ms=args.loop_lag_limit))
+                    outcome = RunOutcome.of(
+                        result,
+                        normalize_base_url(target["url"]),
+                        slos,
+                        limits=Limits(p99_loop_lag_ms=args.loop_lag_limit),
+                    )
                     if args.engine_timings_url and target is targets[0]:
                         timings = await fetch_engine_timings(args.engine_timings_url, probe_http)
-                        outcome.summary.update(overhead_summary(
-                            result.measured, timings, origin=result.origin))
+                        outcome.summary.update(overhead_summary(result.measured, timings, origin=result.origin))
                     if slos:
                         outcome.verdict = verdict(outcome.summary, args.slo_attainment)
                     level.append(outcome)
             outcomes += level
             if len(level) == 2:
-                comparisons.append(Comparison(shape.label, level[0], level[1],
-                                              mode=args.compare_mode))
+                comparisons.append(Comparison(shape.label, level[0], level[1], mode=args.compare_mode))
     return outcomes, comparisons
 
 
-async def _run_group(args, group: list[dict], shape: LoadShape, stop: StopRule,
-                     progress: Progress, probe_http: httpx.AsyncClient) -> list:
+async def _run_group(
+    args, group: list[dict], shape: LoadShape, stop: StopRule, progress: Progress, probe_http: httpx.AsyncClient
+) -> list:
     """One run of one target, or of two paired targets; one RunResult per target."""
     pool = shape.concurrency if shape.concurrency else None
     async with contextlib.AsyncExitStack() as stack:
         runner_targets = []
         for target in group:
             http = await stack.enter_async_context(
-                make_transport(args.http_client, max_connections=pool, timeout_s=args.timeout))
-            client = ChatClient(target["url"], http=http, model=target["model"],
-                                api_key=args.api_key, headers=target["headers"],
-                                timeout_s=args.timeout, extra_body=target["extra"],
-                                record_headers=tuple(args.record_header))
-            probe = (EngineProbe(target["metrics_url"], http=probe_http,
-                                 interval_s=args.metrics_interval)
-                     if target["metrics_url"] else None)
+                make_transport(args.http_client, max_connections=pool, timeout_s=args.timeout)
+            )
+            client = ChatClient(
+                target["url"],
+                http=http,
+                model=target["model"],
+                api_key=args.api_key,
+                headers=target["headers"],
+                timeout_s=args.timeout,
+                extra_body=target["extra"],
+                record_headers=tuple(args.record_header),
+            )
+            probe = (
+                EngineProbe(target["metrics_url"], http=probe_http, interval_s=args.metrics_interval)
+                if target["metrics_url"]
+                else None
+            )
             runner_targets.append(Target(target["label"], client, probe))
         first, *others = runner_targets
-        runner = Runner(first.client, _sessions(args), shape, stop, target=first.label,
-                        run=shape.label, think_time_s=args.think_time,
-                        end_session_on_error=args.end_session_on_error, seed=args.seed,
-                        probe=first.probe, paired_with=others[0] if others else None,
-                        on_record=progress.update)
-        total = (stop.num_requests + stop.warmup_requests) * len(group) if (
-            stop.num_requests is not None) else None
+        runner = Runner(
+            first.client,
+            _sessions(args),
+            shape,
+            stop,
+            target=first.label,
+            run=shape.label,
+            think_time_s=args.think_time,
+            end_session_on_error=args.end_session_on_error,
+            seed=args.seed,
+            probe=first.probe,
+            paired_with=others[0] if others else None,
+            on_record=progress.update,
+        )
+        total = (stop.num_requests + stop.warmup_requests) * len(group) if (stop.num_requests is not None) else None
         progress.start(" + ".join(t.label for t in runner_targets) + f": {shape.label}", total)
         try:
             return await runner.run_all()
@@ -337,15 +481,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.label_a == args.label_b:
         parser.error("--label-a and --label-b must differ")
 
-    started = datetime.datetime.now(datetime.timezone.utc)
+    started = datetime.datetime.now(datetime.UTC)
     output = Path(args.output or f"loadtest/out/{args.scenario}-{started:%Y%m%d-%H%M%S}")
     config = {k: v for k, v in vars(args).items()}
-    config.update(header=[list(h) for h in args.header],
-                  compare_header=[list(h) for h in args.compare_header],
-                  api_key="(set)" if args.api_key else None,
-                  command="python -m loadtest " + shlex.join(argv if argv is not None
-                                                             else sys.argv[1:]),
-                  started=started.isoformat(timespec="seconds"), stop=vars(stop).copy())
+    config.update(
+        header=[list(h) for h in args.header],
+        compare_header=[list(h) for h in args.compare_header],
+        api_key="(set)" if args.api_key else None,
+        command="python -m loadtest " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        started=started.isoformat(timespec="seconds"),
+        stop=vars(stop).copy(),
+    )
     progress = Progress(mode=args.progress)
     try:
         outcomes, comparisons = aio.run(run_all(args, shapes, stop, slos, progress), args.loop)
@@ -357,9 +503,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {output}/report.md, summary.json, requests.jsonl")
     for outcome in outcomes:
         if outcome.verdict is not None and not outcome.verdict["passed"]:
-            print(f"SLO missed: {outcome.result.target}: {outcome.result.run}: attainment "
-                  f"{outcome.verdict['slo_attainment']:.3f} < {args.slo_attainment:g}",
-                  file=sys.stderr)
+            print(
+                f"SLO missed: {outcome.result.target}: {outcome.result.run}: attainment "
+                f"{outcome.verdict['slo_attainment']:.3f} < {args.slo_attainment:g}",
+                file=sys.stderr,
+            )
     if any(o.summary["completed"] == 0 for o in outcomes):
         print("a run completed no request at all", file=sys.stderr)
         return EXIT_NOTHING_COMPLETED

@@ -41,10 +41,8 @@ def normalize_base_url(url: str) -> str:
 def make_http_client(*, max_connections: int | None, timeout_s: float) -> httpx.AsyncClient:
     """An httpx client sized for LLM streams: explicit limits, no 5 s read timeout."""
     return httpx.AsyncClient(
-        timeout=httpx.Timeout(connect=min(10.0, timeout_s), read=timeout_s, write=timeout_s,
-                              pool=timeout_s),
-        limits=httpx.Limits(max_connections=max_connections,
-                            max_keepalive_connections=max_connections),
+        timeout=httpx.Timeout(connect=min(10.0, timeout_s), read=timeout_s, write=timeout_s, pool=timeout_s),
+        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         trust_env=False,
     )
 
@@ -55,8 +53,7 @@ HTTP_CLIENTS = ("raw", "httpx")
 def make_transport(kind: str, *, max_connections: int | None, timeout_s: float):
     """The HTTP client for requests: `raw` (loadtest.transport, the default) or `httpx`."""
     if kind == "raw":
-        return transport.HTTPClient(max_connections=max_connections,
-                                    connect_timeout_s=min(10.0, timeout_s))
+        return transport.HTTPClient(max_connections=max_connections, connect_timeout_s=min(10.0, timeout_s))
     if kind == "httpx":
         return make_http_client(max_connections=max_connections, timeout_s=timeout_s)
     raise ValueError(f"unknown HTTP client {kind!r} ({', '.join(HTTP_CLIENTS)})")
@@ -136,8 +133,7 @@ class ChatClient:
         self._extra_body = dict(extra_body or {})
         self._clock = clock
         self._record_headers = tuple(h.lower() for h in record_headers)
-        self._headers = {"accept": "text/event-stream", "content-type": "application/json",
-                         **(headers or {})}
+        self._headers = {"accept": "text/event-stream", "content-type": "application/json", **(headers or {})}
         if api_key:
             self._headers["authorization"] = f"Bearer {api_key}"
 
@@ -190,16 +186,16 @@ class ChatClient:
             state.finish()
         return Answer(record, text)
 
-    async def _exchange(self, state: _StreamState, headers: dict, payload: bytes,
-                        sent: float) -> None:
+    async def _exchange(self, state: _StreamState, headers: dict, payload: bytes, sent: float) -> None:
         record = state.record
         response = await self._http.post(self.url, headers, payload)
         try:
             record.status = response.status_code
             record.response_headers_s = self._clock() - sent
             if self._record_headers:
-                record.headers = {name: response.headers[name] for name in self._record_headers
-                                  if name in response.headers}
+                record.headers = {
+                    name: response.headers[name] for name in self._record_headers if name in response.headers
+                }
             if response.status_code != 200:
                 body = await _read_bounded(response)
                 record.error_kind = records.HTTP

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 import httpx
 
 GAUGES = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
-COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-            "vllm:num_preemptions_total")
+COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total")
 
 
 def parse_metrics(text: str, names: tuple[str, ...] = GAUGES + COUNTERS) -> dict[str, float]:
@@ -42,7 +41,7 @@ def parse_metrics(text: str, names: tuple[str, ...] = GAUGES + COUNTERS) -> dict
             continue
         if "{" in name_part and "}" not in name_part:
             # a label value with spaces: the value is after the closing brace
-            rest = line[line.index("}") + 1:]
+            rest = line[line.index("}") + 1 :]
         try:
             value = float(rest.split()[0])
         except (IndexError, ValueError):
@@ -58,8 +57,7 @@ def parse_metrics(text: str, names: tuple[str, ...] = GAUGES + COUNTERS) -> dict
 
 def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Counter increases over a run, plus `prefix_cache_hit_rate` = hits / queries (0..1)."""
-    deltas = {name.removeprefix("vllm:"): after[name] - before.get(name, 0.0)
-              for name in COUNTERS if name in after}
+    deltas = {name.removeprefix("vllm:"): after[name] - before.get(name, 0.0) for name in COUNTERS if name in after}
     queries = deltas.get("prefix_cache_queries_total")
     if queries:
         deltas["prefix_cache_hit_rate"] = deltas.get("prefix_cache_hits_total", 0.0) / queries
@@ -78,8 +76,15 @@ class Sample:
 class EngineProbe:
     """Scrapes one `/metrics` URL: on demand, and periodically while sampling is on."""
 
-    def __init__(self, url: str, *, http: httpx.AsyncClient, timeout_s: float = 5.0,
-                 interval_s: float = 0.1, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        http: httpx.AsyncClient,
+        timeout_s: float = 5.0,
+        interval_s: float = 0.1,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.url = url
         self._http = http
         self._timeout_s = timeout_s

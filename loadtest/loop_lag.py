@@ -29,8 +29,7 @@ class Limits:
 class LoopLagMonitor:
     """Samples the running loop's lag every `interval_s` between `start()` and `stop()`."""
 
-    def __init__(self, interval_s: float = 0.005,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, interval_s: float = 0.005, clock: Callable[[], float] = time.perf_counter) -> None:
         self._interval_s = interval_s
         self._clock = clock
         self._task: asyncio.Task | None = None
@@ -67,8 +66,7 @@ def lag_summary(lags_s: Sequence[float]) -> dict:
     return result
 
 
-def saturation(summary: dict, *, target_rate: float | None = None,
-               limits: Limits = Limits()) -> list[str]:
+def saturation(summary: dict, *, target_rate: float | None = None, limits: Limits = Limits()) -> list[str]:
     """Warnings when a run went past what the generator times exactly (empty when fine).
 
     `summary` holds `p99_loop_lag_ms` and, for open-loop runs, `achieved_rate` (session
@@ -82,11 +80,17 @@ def saturation(summary: dict, *, target_rate: float | None = None,
             f"the load generator was saturated: its event loop lagged {lag:.1f} ms at p99 "
             f"(limit {limits.p99_loop_lag_ms:g} ms; too much load for one process, or a busy "
             f"machine), so its latencies include its own delays; lower the concurrency or "
-            f"rate, or run it where it gets a core of its own")
+            f"rate, or run it where it gets a core of its own"
+        )
     achieved = summary.get("achieved_rate")
-    if target_rate and achieved is not None and not math.isnan(achieved) and (
-            achieved < target_rate * (1 - limits.rate_shortfall)):
+    if (
+        target_rate
+        and achieved is not None
+        and not math.isnan(achieved)
+        and (achieved < target_rate * (1 - limits.rate_shortfall))
+    ):
         warnings.append(
             f"the load generator fell behind its schedule: {achieved:.1f} requests/s sent "
-            f"against {target_rate:g} targeted (more than {limits.rate_shortfall:.0%} short)")
+            f"against {target_rate:g} targeted (more than {limits.rate_shortfall:.0%} short)"
+        )
     return warnings

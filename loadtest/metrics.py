@@ -43,10 +43,9 @@ ALIASES = {
     "slo_attainment": "AIPerf good_request_fraction",
     "lateness": "GuideLLM Start Delay; vLLM client_queue_time (under a concurrency ceiling)",
     "duration_s": "vLLM duration; GuideLLM duration; AIPerf benchmark_duration",
-    "request_throughput": "vLLM request_throughput; GuideLLM requests_per_second; AIPerf "
-                          "request_throughput",
+    "request_throughput": "vLLM request_throughput; GuideLLM requests_per_second; AIPerf request_throughput",
     "cached_token_ratio": "vLLM engine prefix_cache_hits / prefix_cache_queries, but per "
-                          "request from usage.prompt_tokens_details.cached_tokens",
+    "request from usage.prompt_tokens_details.cached_tokens",
     "achieved_rate": "GuideLLM achieved requests_per_second (open loop)",
 }
 
@@ -68,8 +67,14 @@ def describe(values: Sequence[float]) -> dict[str, float]:
         return {"count": 0}
     mean = sum(values) / len(values)
     std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
-    result = {"count": len(values), "mean": mean, "median": percentile(values, 50), "std": std,
-              "min": min(values), "max": max(values)}
+    result = {
+        "count": len(values),
+        "mean": mean,
+        "median": percentile(values, 50),
+        "std": std,
+        "min": min(values),
+        "max": max(values),
+    }
     for p in PERCENTILES:
         result[f"p{p}"] = percentile(values, p)
     return result
@@ -108,8 +113,9 @@ def is_good(record: RequestRecord, slos: dict[str, float]) -> bool:
     return all(values[key] is not None and values[key] <= limit for key, limit in slos.items())
 
 
-def summarize(records: Sequence[RequestRecord], *, slos: dict[str, float] | None = None,
-              duration_s: float | None = None) -> dict:
+def summarize(
+    records: Sequence[RequestRecord], *, slos: dict[str, float] | None = None, duration_s: float | None = None
+) -> dict:
     """The summary of one run's measured records (warm-up records must be filtered out first).
 
     Latencies are reported in milliseconds (`*_ms`), as vLLM does; throughputs per second.
@@ -176,15 +182,18 @@ def _error_examples(failed: Sequence[RequestRecord], limit: int = 5) -> list[dic
     for record in failed:
         key = (record.error_kind, (record.error or "")[:120])
         if key not in seen and len(seen) < limit:
-            seen[key] = {"kind": record.error_kind, "error": record.error,
-                         "request_id": record.request_id, "turn": record.turn}
+            seen[key] = {
+                "kind": record.error_kind,
+                "error": record.error,
+                "request_id": record.request_id,
+                "turn": record.turn,
+            }
     return list(seen.values())
 
 
 def max_concurrency(records: Sequence[RequestRecord]) -> int:
     """The peak number of requests in flight at once (sweep line over [sent, end))."""
-    events = sorted([(r.sent_s, 1) for r in records] + [(r.end_s, -1) for r in records],
-                    key=lambda e: (e[0], e[1]))
+    events = sorted([(r.sent_s, 1) for r in records] + [(r.end_s, -1) for r in records], key=lambda e: (e[0], e[1]))
     level = peak = 0
     for _, change in events:
         level += change
@@ -197,8 +206,11 @@ def cached_share(records: Iterable[RequestRecord]) -> dict:
     reported = [r for r in records if r.ok and r.cached_tokens is not None]
     cached = sum(r.cached_tokens for r in reported)
     prompt = sum(r.prompt_tokens or 0 for r in reported)
-    return {"total_cached_tokens": cached, "cached_tokens_reported": len(reported),
-            "cached_token_ratio": cached / prompt if prompt else math.nan}
+    return {
+        "total_cached_tokens": cached,
+        "cached_tokens_reported": len(reported),
+        "cached_token_ratio": cached / prompt if prompt else math.nan,
+    }
 
 
 def achieved_rate(records: Sequence[RequestRecord]) -> float:
@@ -219,29 +231,41 @@ def per_turn(records: Sequence[RequestRecord]) -> list[dict]:
     for turn in sorted(turns):
         group = turns[turn]
         ok = [r for r in group if r.ok]
-        kv = [r.engine["vllm:kv_cache_usage_perc"] for r in group
-              if r.engine and "vllm:kv_cache_usage_perc" in r.engine]
+        kv = [
+            r.engine["vllm:kv_cache_usage_perc"] for r in group if r.engine and "vllm:kv_cache_usage_perc" in r.engine
+        ]
         prompt = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
-        rows.append({
-            "turn": turn,
-            "requests": len(group),
-            "errors": len(group) - len(ok),
-            "median_ttft_ms": percentile([r.ttft_s for r in ok if r.ttft_s is not None], 50)
-            * 1000,
-            "median_prompt_tokens": percentile(prompt, 50) if prompt else math.nan,
-            "median_prompt_chars": percentile([r.prompt_chars for r in group], 50),
-            "prompt_tokens": sum(prompt),
-            **cached_share(group),
-            "max_kv_cache_usage": max(kv) if kv else math.nan,
-            # the project's gateway says so in `x-trim-status` (kept with --record-header)
-            "trimmed": sum(1 for r in group if (r.headers or {}).get("x-trim-status") == "trimmed"),
-        })
+        rows.append(
+            {
+                "turn": turn,
+                "requests": len(group),
+                "errors": len(group) - len(ok),
+                "median_ttft_ms": percentile([r.ttft_s for r in ok if r.ttft_s is not None], 50) * 1000,
+                "median_prompt_tokens": percentile(prompt, 50) if prompt else math.nan,
+                "median_prompt_chars": percentile([r.prompt_chars for r in group], 50),
+                "prompt_tokens": sum(prompt),
+                **cached_share(group),
+                "max_kv_cache_usage": max(kv) if kv else math.nan,
+                # the project's gateway says so in `x-trim-status` (kept with --record-header)
+                "trimmed": sum(1 for r in group if (r.headers or {}).get("x-trim-status") == "trimmed"),
+            }
+        )
     return rows
 
 
-RATIO_KEYS = ("median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "median_itl_ms",
-              "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms", "request_throughput",
-              "output_throughput", "failed")
+RATIO_KEYS = (
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "mean_ttft_ms",
+    "median_tpot_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "median_e2el_ms",
+    "p99_e2el_ms",
+    "request_throughput",
+    "output_throughput",
+    "failed",
+)
 
 
 def ratios(a: dict, b: dict, keys: Sequence[str] = RATIO_KEYS) -> dict[str, float]:
@@ -249,8 +273,12 @@ def ratios(a: dict, b: dict, keys: Sequence[str] = RATIO_KEYS) -> dict[str, floa
     result = {}
     for key in keys:
         va, vb = a.get(key), b.get(key)
-        if isinstance(va, (int, float)) and isinstance(vb, (int, float)) and va and not (
-                math.isnan(va) or math.isnan(vb)):
+        if (
+            isinstance(va, (int, float))
+            and isinstance(vb, (int, float))
+            and va
+            and not (math.isnan(va) or math.isnan(vb))
+        ):
             result[key] = vb / va
         else:
             result[key] = math.nan
@@ -280,18 +308,20 @@ def paired_differences(a: Sequence[RequestRecord], b: Sequence[RequestRecord]) -
     first and the median over pairs where B went first) cancels that advantage.
     """
     by_key = {(r.session_id, r.turn): r for r in a if r.ok}
-    pairs = [(by_key[(r.session_id, r.turn)], r) for r in b
-             if r.ok and (r.session_id, r.turn) in by_key]
+    pairs = [(by_key[(r.session_id, r.turn)], r) for r in b if r.ok and (r.session_id, r.turn) in by_key]
     result: dict = {"pairs": len(pairs)}
     for name, value in (("ttft", lambda r: r.ttft_s), ("e2el", lambda r: r.e2e_s)):
-        diffs = [((value(rb) - value(ra)) * 1000, ra.sent_s < rb.sent_s) for ra, rb in pairs
-                 if value(ra) is not None and value(rb) is not None]
+        diffs = [
+            ((value(rb) - value(ra)) * 1000, ra.sent_s < rb.sent_s)
+            for ra, rb in pairs
+            if value(ra) is not None and value(rb) is not None
+        ]
         stats = describe([d for d, _ in diffs])
         for stat in ("mean", "median", "p90"):
             result[f"{stat}_{name}_diff_ms"] = stats.get(stat, math.nan)
         a_first = [d for d, first in diffs if first]
         b_first = [d for d, first in diffs if not first]
         result[f"balanced_{name}_diff_ms"] = (
-            (percentile(a_first, 50) + percentile(b_first, 50)) / 2 if a_first and b_first
-            else math.nan)
+            (percentile(a_first, 50) + percentile(b_first, 50)) / 2 if a_first and b_first else math.nan
+        )
     return result

@@ -53,8 +53,7 @@ class Joined:
         return self.client_e2e_s - self.engine_e2e_s
 
 
-def join(records: Sequence[RequestRecord], engine: dict[str, dict], *,
-         origin: float | None = None) -> list[Joined]:
+def join(records: Sequence[RequestRecord], engine: dict[str, dict], *, origin: float | None = None) -> list[Joined]:
     """Successful records matched with the engine's timings of the same request id.
 
     `engine` maps request ids to `{"arrived", "first_token", "last_token", ...}` (seconds on the
@@ -71,17 +70,21 @@ def join(records: Sequence[RequestRecord], engine: dict[str, dict], *,
         if arrived is None or first is None:
             continue
         sent = None if origin is None else origin + record.sent_s
-        joined.append(Joined(
-            request_id=record.request_id, client_ttft_s=record.ttft_s,
-            engine_ttft_s=first - arrived, client_e2e_s=record.e2e_s,
-            engine_e2e_s=None if last is None else last - arrived,
-            send_leg_s=None if sent is None else arrived - sent,
-            receive_leg_s=None if sent is None else sent + record.ttft_s - first))
+        joined.append(
+            Joined(
+                request_id=record.request_id,
+                client_ttft_s=record.ttft_s,
+                engine_ttft_s=first - arrived,
+                client_e2e_s=record.e2e_s,
+                engine_e2e_s=None if last is None else last - arrived,
+                send_leg_s=None if sent is None else arrived - sent,
+                receive_leg_s=None if sent is None else sent + record.ttft_s - first,
+            )
+        )
     return joined
 
 
-def overhead_summary(records: Sequence[RequestRecord], engine: dict[str, dict], *,
-                     origin: float | None = None) -> dict:
+def overhead_summary(records: Sequence[RequestRecord], engine: dict[str, dict], *, origin: float | None = None) -> dict:
     """`{median,p90,p99,mean,max}_added_{ttft,e2el}_ms`, `joined_requests`, `unjoined_requests`;
     with `origin` also `{median,p99}_{send,receive}_leg_ms`.
 
@@ -91,8 +94,7 @@ def overhead_summary(records: Sequence[RequestRecord], engine: dict[str, dict], 
     joined = join(records, engine, origin=origin)
     ok = sum(1 for r in records if r.ok and r.ttft_s is not None)
     result: dict = {"joined_requests": len(joined), "unjoined_requests": ok - len(joined)}
-    series = {"ttft": [j.added_ttft_s for j in joined],
-              "e2el": [e for j in joined if (e := j.added_e2e_s) is not None]}
+    series = {"ttft": [j.added_ttft_s for j in joined], "e2el": [e for j in joined if (e := j.added_e2e_s) is not None]}
     for name, values in series.items():
         stats = describe(values)
         for stat in ("median", "p90", "p99", "mean", "max"):

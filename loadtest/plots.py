@@ -58,8 +58,7 @@ def write_plots(results: Sequence[RunResult], directory: Path) -> list[str]:
     directory.mkdir(parents=True, exist_ok=True)
     written = []
 
-    ttft = [(_name(r), [x.ttft_s for x in r.measured if x.ok and x.ttft_s is not None])
-            for r in results]
+    ttft = [(_name(r), [x.ttft_s for x in r.measured if x.ok and x.ttft_s is not None]) for r in results]
     _distribution(plt, ttft, "TTFT", directory / "ttft.png")
     written.append("ttft.png")
     itl = [(_name(r), [g for x in r.measured if x.ok for g in itl_s(x)]) for r in results]
@@ -67,24 +66,27 @@ def write_plots(results: Sequence[RunResult], directory: Path) -> list[str]:
     written.append("itl.png")
 
     sampled = [r for r in results if r.engine.get("samples")]
-    fig, axes = plt.subplots(3 if sampled else 2, 1, figsize=(11, 8 if sampled else 6),
-                             sharex=True)
+    fig, axes = plt.subplots(3 if sampled else 2, 1, figsize=(11, 8 if sampled else 6), sharex=True)
     for result in sampled:
         samples = [s for s in result.engine["samples"] if s[1] is not None]
-        axes[2].plot([s[0] for s in samples], [s[1] * 100 for s in samples], "-",
-                     label=_name(result))
+        axes[2].plot([s[0] for s in samples], [s[1] * 100 for s in samples], "-", label=_name(result))
     if sampled:
         axes[2].set_ylabel("KV-cache usage (%)")
     for result in results:
         ok = [x for x in result.measured if x.ok]
         failed = [x for x in result.measured if not x.ok]
-        line = axes[0].plot([x.sent_s for x in ok], [x.ttft_s * 1000 for x in ok], ".",
-                            label=_name(result))[0]
-        axes[1].plot([x.sent_s for x in ok], [x.e2e_s * 1000 for x in ok], ".",
-                     color=line.get_color(), label=_name(result))
+        line = axes[0].plot([x.sent_s for x in ok], [x.ttft_s * 1000 for x in ok], ".", label=_name(result))[0]
+        axes[1].plot(
+            [x.sent_s for x in ok], [x.e2e_s * 1000 for x in ok], ".", color=line.get_color(), label=_name(result)
+        )
         if failed:
-            axes[1].plot([x.sent_s for x in failed], [0] * len(failed), "x",
-                         color=line.get_color(), label=f"{_name(result)} failed")
+            axes[1].plot(
+                [x.sent_s for x in failed],
+                [0] * len(failed),
+                "x",
+                color=line.get_color(),
+                label=f"{_name(result)} failed",
+            )
     axes[0].set_ylabel("TTFT (ms)")
     axes[1].set_ylabel("E2E latency (ms)")
     axes[-1].set_xlabel("time since the start of the run (s)")
@@ -102,16 +104,24 @@ def write_plots(results: Sequence[RunResult], directory: Path) -> list[str]:
         for result in results:
             rows = per_turn(result.measured)
             turns = [row["turn"] + 1 for row in rows]
-            line = axes[0].plot(turns, [row["median_ttft_ms"] for row in rows], "o-",
-                                label=_name(result))[0]
-            axes[1].plot(turns, [row["prompt_tokens"] for row in rows], "o-",
-                         color=line.get_color(), label=f"{_name(result)}: prompt")
+            line = axes[0].plot(turns, [row["median_ttft_ms"] for row in rows], "o-", label=_name(result))[0]
+            axes[1].plot(
+                turns,
+                [row["prompt_tokens"] for row in rows],
+                "o-",
+                color=line.get_color(),
+                label=f"{_name(result)}: prompt",
+            )
             if any(row["cached_tokens_reported"] for row in rows):
-                axes[1].plot(turns, [row["total_cached_tokens"] for row in rows], "s--",
-                             color=line.get_color(), label=f"{_name(result)}: cached")
+                axes[1].plot(
+                    turns,
+                    [row["total_cached_tokens"] for row in rows],
+                    "s--",
+                    color=line.get_color(),
+                    label=f"{_name(result)}: cached",
+                )
             axes[2].plot(turns, [row["errors"] for row in rows], "o-", label=_name(result))
-            axes[3].plot(turns, [row["max_kv_cache_usage"] * 100 for row in rows], "o-",
-                         label=_name(result))
+            axes[3].plot(turns, [row["max_kv_cache_usage"] * 100 for row in rows], "o-", label=_name(result))
         axes[0].set_ylabel("median TTFT (ms)")
         axes[1].set_ylabel("prompt tokens (sum)")
         axes[2].set_ylabel("errors")

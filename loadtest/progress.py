@@ -18,8 +18,14 @@ from loadtest.records import RequestRecord
 class Progress:
     """Counts finished requests of the current run and shows them; `mode` auto|tty|plain|off."""
 
-    def __init__(self, *, stream: TextIO | None = None, mode: str = "auto",
-                 tty_interval_s: float = 0.25, plain_interval_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        *,
+        stream: TextIO | None = None,
+        mode: str = "auto",
+        tty_interval_s: float = 0.25,
+        plain_interval_s: float = 5.0,
+    ) -> None:
         self._stream = stream or sys.stdout
         if mode == "auto":
             mode = "tty" if getattr(self._stream, "isatty", lambda: False)() else "plain"
@@ -67,8 +73,10 @@ class Progress:
         elapsed = max(time.perf_counter() - self._started, 1e-9)
         total = f"/{self._total}" if self._total else ""
         ttft = percentile(self._ttfts[-500:], 50) * 1000 if self._ttfts else float("nan")
-        return (f"[{self._label}] {self._done}{total} requests, {self._done / elapsed:.2f} req/s, "
-                f"TTFT p50 {ttft:.0f} ms, errors {self._errors}, {elapsed:.0f} s")
+        return (
+            f"[{self._label}] {self._done}{total} requests, {self._done / elapsed:.2f} req/s, "
+            f"TTFT p50 {ttft:.0f} ms, errors {self._errors}, {elapsed:.0f} s"
+        )
 
     async def _tick(self) -> None:
         while True:

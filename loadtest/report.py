@@ -13,13 +13,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadtest.metrics import (ALIASES, differences, paired_differences, per_turn, ratios,
-                              summarize)
 from loadtest.loop_lag import Limits, saturation
+from loadtest.metrics import ALIASES, differences, paired_differences, per_turn, ratios, summarize
 from loadtest.runner import RunResult
 
-CAVEAT = ("Figures depend on the machine, the model and the engine settings: a tiny model on a "
-          "few CPU cores shows the mechanisms, not the numbers of a GPU deployment.")
+CAVEAT = (
+    "Figures depend on the machine, the model and the engine settings: a tiny model on a "
+    "few CPU cores shows the mechanisms, not the numbers of a GPU deployment."
+)
 
 
 @dataclass
@@ -33,24 +34,29 @@ class RunOutcome:
     verdict: dict | None = None
 
     @classmethod
-    def of(cls, result: RunResult, url: str, slos: dict[str, float], *,
-           limits: Limits | None = None) -> RunOutcome:
+    def of(cls, result: RunResult, url: str, slos: dict[str, float], *, limits: Limits | None = None) -> RunOutcome:
         summary = summarize(result.measured, slos=slos)
         summary["engine"] = result.engine
         summary.update(result.loop_lag)
         shape = result.shape
         summary["target_rate"] = shape.rate
         summary["generator_warnings"] = saturation(
-            summary, target_rate=shape.rate if shape.concurrency is None else None,
-            limits=limits or Limits())
+            summary, target_rate=shape.rate if shape.concurrency is None else None, limits=limits or Limits()
+        )
         return cls(result, url, summary, per_turn(result.measured))
 
     def to_json(self) -> dict:
-        return {"target": self.result.target, "run": self.result.run, "url": self.url,
-                "load": self.result.shape.to_json(), "wall_s": self.result.wall_s,
-                "warmup_requests": len(self.result.records) - len(self.result.measured),
-                "summary": _finite(self.summary), "per_turn": _finite(self.turns),
-                "slo": self.verdict}
+        return {
+            "target": self.result.target,
+            "run": self.result.run,
+            "url": self.url,
+            "load": self.result.shape.to_json(),
+            "wall_s": self.result.wall_s,
+            "warmup_requests": len(self.result.records) - len(self.result.measured),
+            "summary": _finite(self.summary),
+            "per_turn": _finite(self.turns),
+            "slo": self.verdict,
+        }
 
 
 @dataclass
@@ -71,9 +77,13 @@ class Comparison:
         self.paired = paired_differences(self.a.result.measured, self.b.result.measured)
 
     def to_json(self) -> dict:
-        return {"run": self.run, "mode": self.mode, "ratios_b_over_a": _finite(self.ratios),
-                "differences_b_minus_a": _finite(self.differences),
-                "per_prompt_differences_b_minus_a": _finite(self.paired)}
+        return {
+            "run": self.run,
+            "mode": self.mode,
+            "ratios_b_over_a": _finite(self.ratios),
+            "differences_b_minus_a": _finite(self.differences),
+            "per_prompt_differences_b_minus_a": _finite(self.paired),
+        }
 
 
 def _finite(value):
@@ -129,14 +139,17 @@ TABLE_ROWS = (
 )
 
 
-def markdown(outcomes: Sequence[RunOutcome], comparisons: Sequence[Comparison], config: dict,
-             plots: Sequence[str]) -> str:
+def markdown(
+    outcomes: Sequence[RunOutcome], comparisons: Sequence[Comparison], config: dict, plots: Sequence[str]
+) -> str:
     """The human report: what ran, the headline table, comparisons, errors, turns, plots."""
     lines = ["# Load test report", ""]
-    lines += [f"- command: `{config.get('command', '')}`",
-              f"- scenario: `{config.get('scenario')}`, model `{config.get('model')}`, "
-              f"seed {config.get('seed')}, max_tokens {config.get('max_tokens')}",
-              f"- started: {config.get('started')}"]
+    lines += [
+        f"- command: `{config.get('command', '')}`",
+        f"- scenario: `{config.get('scenario')}`, model `{config.get('model')}`, "
+        f"seed {config.get('seed')}, max_tokens {config.get('max_tokens')}",
+        f"- started: {config.get('started')}",
+    ]
     targets = {o.result.target: o.url for o in outcomes}
     for target, url in targets.items():
         lines.append(f"- target {target}: {url}")
@@ -147,8 +160,12 @@ def markdown(outcomes: Sequence[RunOutcome], comparisons: Sequence[Comparison], 
         for outcome in warned:
             for warning in outcome.summary["generator_warnings"]:
                 lines.append(f"- {outcome.result.target}: {outcome.result.run}: {warning}")
-        lines += ["", "Its figures for these runs include its own delays; see README "
-                  "\"Load testing\" for the rates and concurrencies it times exactly.", ""]
+        lines += [
+            "",
+            "Its figures for these runs include its own delays; see README "
+            '"Load testing" for the rates and concurrencies it times exactly.',
+            "",
+        ]
 
     lines += ["## Results", ""]
     header = [f"{o.result.target}: {o.result.run}" for o in outcomes]
@@ -161,8 +178,12 @@ def markdown(outcomes: Sequence[RunOutcome], comparisons: Sequence[Comparison], 
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     engines = [o for o in outcomes if o.summary.get("engine")]
     if engines:
-        for key in ("prefix_cache_queries_total", "prefix_cache_hits_total",
-                    "prefix_cache_hit_rate", "num_preemptions_total"):
+        for key in (
+            "prefix_cache_queries_total",
+            "prefix_cache_hits_total",
+            "prefix_cache_hit_rate",
+            "num_preemptions_total",
+        ):
             cells = [_fmt(o.summary.get("engine", {}).get(key), 3) for o in outcomes]
             lines.append(f"| engine {key} (from /metrics) | " + " | ".join(cells) + " |")
     lines.append("")
@@ -176,36 +197,52 @@ def markdown(outcomes: Sequence[RunOutcome], comparisons: Sequence[Comparison], 
                 lines.append(
                     f"| {comparison.run} | {key} | {_fmt(comparison.a.summary.get(key), 2)} | "
                     f"{_fmt(comparison.b.summary.get(key), 2)} | {_fmt(ratio, 3)} | "
-                    f"{_fmt(comparison.differences.get(key), 2)} |")
-        lines += ["", "Per prompt (B - A over the prompts both answered, matched by session "
-                  "and turn; in `paired` mode each pair was sent back to back):", "",
-                  "| run | mode | pairs | TTFT balanced | TTFT median | TTFT mean | TTFT p90 | "
-                  "E2E balanced | E2E median | E2E mean | E2E p90 |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                    f"{_fmt(comparison.differences.get(key), 2)} |"
+                )
+        lines += [
+            "",
+            "Per prompt (B - A over the prompts both answered, matched by session "
+            "and turn; in `paired` mode each pair was sent back to back):",
+            "",
+            "| run | mode | pairs | TTFT balanced | TTFT median | TTFT mean | TTFT p90 | "
+            "E2E balanced | E2E median | E2E mean | E2E p90 |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for comparison in comparisons:
             p = comparison.paired
             lines.append(
                 f"| {comparison.run} | {comparison.mode} | {p['pairs']} | "
-                + " | ".join(f"{_fmt(p[f'{stat}_{name}_diff_ms'], 2)} ms" for name in
-                             ("ttft", "e2el") for stat in ("balanced", "median", "mean", "p90"))
-                + " |")
-        lines += ["", "`balanced` = mean of the median difference over pairs where A went "
-                  "first and over pairs where B went first (cancels the prefix-cache advantage "
-                  "of going second when A and B share an engine)."]
+                + " | ".join(
+                    f"{_fmt(p[f'{stat}_{name}_diff_ms'], 2)} ms"
+                    for name in ("ttft", "e2el")
+                    for stat in ("balanced", "median", "mean", "p90")
+                )
+                + " |"
+            )
+        lines += [
+            "",
+            "`balanced` = mean of the median difference over pairs where A went "
+            "first and over pairs where B went first (cancels the prefix-cache advantage "
+            "of going second when A and B share an engine).",
+        ]
         lines.append("")
 
     verdicts = [o for o in outcomes if o.verdict is not None]
     if verdicts:
         lines += ["## SLOs", ""]
         slos = verdicts[0].summary.get("slos_ms", {})
-        lines.append("Limits per request: " + ", ".join(f"{k} <= {v:g} ms" for k, v in slos.items())
-                     + f"; required attainment {verdicts[0].verdict['required']:g}.")
+        lines.append(
+            "Limits per request: "
+            + ", ".join(f"{k} <= {v:g} ms" for k, v in slos.items())
+            + f"; required attainment {verdicts[0].verdict['required']:g}."
+        )
         lines.append("")
         for outcome in verdicts:
             v = outcome.verdict
             state = "PASS" if v["passed"] else "MISS"
-            lines.append(f"- {outcome.result.target}: {outcome.result.run}: {state} "
-                         f"(attainment {_fmt(v['slo_attainment'], 3)})")
+            lines.append(
+                f"- {outcome.result.target}: {outcome.result.run}: {state} (attainment {_fmt(v['slo_attainment'], 3)})"
+            )
         lines.append("")
 
     failing = [o for o in outcomes if o.summary.get("failed")]
@@ -215,16 +252,17 @@ def markdown(outcomes: Sequence[RunOutcome], comparisons: Sequence[Comparison], 
             counts = {k: v for k, v in outcome.summary["errors"].items() if v}
             lines.append(f"- {outcome.result.target}: {outcome.result.run}: {counts}")
             for example in outcome.summary.get("error_examples", []):
-                lines.append(f"  - {example['kind']} (turn {example['turn']}): "
-                             f"`{(example['error'] or '')[:200]}`")
+                lines.append(f"  - {example['kind']} (turn {example['turn']}): `{(example['error'] or '')[:200]}`")
         lines.append("")
 
     multi = [o for o in outcomes if len(o.turns) > 1]
     if multi:
         lines += ["## Per turn", ""]
-        lines.append("| run | turn | requests | errors | trimmed | median TTFT (ms) | median "
-                     "prompt tokens | prompt tokens | cached tokens | cached share | median "
-                     "prompt chars | max KV-cache usage (%) |")
+        lines.append(
+            "| run | turn | requests | errors | trimmed | median TTFT (ms) | median "
+            "prompt tokens | prompt tokens | cached tokens | cached share | median "
+            "prompt chars | max KV-cache usage (%) |"
+        )
         lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for outcome in multi:
             for row in outcome.turns:
@@ -238,14 +276,18 @@ def markdown(outcomes: Sequence[RunOutcome], comparisons: Sequence[Comparison], 
                     f"{row['total_cached_tokens'] if row['cached_tokens_reported'] else '-'} | "
                     f"{_fmt(row['cached_token_ratio'], 3)} | "
                     f"{_fmt(row['median_prompt_chars'], 0)} | "
-                    f"{_fmt(kv * 100 if kv == kv else None, 2)} |")
-        lines += ["", "Prompt tokens are the server's `usage` of the requests that succeeded "
-                  "(after any trimming); cached tokens are `usage.prompt_tokens_details."
-                  "cached_tokens` (vLLM reports them with `--enable-prompt-tokens-details`; "
-                  "`-` when the server did not), and cached share = cached / prompt tokens; "
-                  "prompt chars are what the client sent; `trimmed` "
-                  "counts responses with `x-trim-status: trimmed` (with `--record-header "
-                  "x-trim-status`)."]
+                    f"{_fmt(kv * 100 if kv == kv else None, 2)} |"
+                )
+        lines += [
+            "",
+            "Prompt tokens are the server's `usage` of the requests that succeeded "
+            "(after any trimming); cached tokens are `usage.prompt_tokens_details."
+            "cached_tokens` (vLLM reports them with `--enable-prompt-tokens-details`; "
+            "`-` when the server did not), and cached share = cached / prompt tokens; "
+            "prompt chars are what the client sent; `trimmed` "
+            "counts responses with `x-trim-status: trimmed` (with `--record-header "
+            "x-trim-status`).",
+        ]
         lines.append("")
 
     if plots:
@@ -253,20 +295,29 @@ def markdown(outcomes: Sequence[RunOutcome], comparisons: Sequence[Comparison], 
         lines += [f"![{name}]({name})" for name in plots]
         lines.append("")
 
-    lines += ["## Definitions", "",
-              "TTFT: send -> first token chunk with text. TPOT: (E2E - TTFT) / (completion "
-              "tokens - 1). ITL: gaps between consecutive token chunks, pooled. E2E latency: "
-              "send -> last token chunk. Throughputs divide by the measured duration (first "
-              "send -> last request over). Lateness: send - scheduled time. Tokens from the "
-              "server's `usage`. Other tools' names:", ""]
+    lines += [
+        "## Definitions",
+        "",
+        "TTFT: send -> first token chunk with text. TPOT: (E2E - TTFT) / (completion "
+        "tokens - 1). ITL: gaps between consecutive token chunks, pooled. E2E latency: "
+        "send -> last token chunk. Throughputs divide by the measured duration (first "
+        "send -> last request over). Lateness: send - scheduled time. Tokens from the "
+        "server's `usage`. Other tools' names:",
+        "",
+    ]
     lines += [f"- `{key}`: {alias}" for key, alias in ALIASES.items()]
     lines.append("")
     return "\n".join(lines)
 
 
-def write_outputs(directory: Path, outcomes: Sequence[RunOutcome],
-                  comparisons: Sequence[Comparison], config: dict, *,
-                  plots: bool = True) -> dict:
+def write_outputs(
+    directory: Path,
+    outcomes: Sequence[RunOutcome],
+    comparisons: Sequence[Comparison],
+    config: dict,
+    *,
+    plots: bool = True,
+) -> dict:
     """Write every output file into `directory`; returns the summary JSON document."""
     directory.mkdir(parents=True, exist_ok=True)
     with (directory / "requests.jsonl").open("w") as out:
@@ -293,47 +344,68 @@ def write_outputs(directory: Path, outcomes: Sequence[RunOutcome],
 
 def _columns(rows: Sequence[tuple]) -> str:
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(str(c).rjust(w) if i else str(c).ljust(w)
-                               for i, (c, w) in enumerate(zip(row, widths))) for row in rows)
+    return "\n".join(
+        "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in rows
+    )
 
 
 def console_table(outcomes: Sequence[RunOutcome], comparisons: Sequence[Comparison]) -> str:
     """A short plain-text summary for the terminal."""
-    rows = [("run", "ok", "err", "req/s", "tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
-             "ITL p50", "E2E p50", "cached")]
+    rows = [("run", "ok", "err", "req/s", "tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "ITL p50", "E2E p50", "cached")]
     for o in outcomes:
         s = o.summary
-        rows.append((f"{o.result.target}: {o.result.run}", _fmt(s["completed"]),
-                     _fmt(s["failed"]), _fmt(s["request_throughput"], 2),
-                     _fmt(s["output_throughput"], 1), _fmt(s.get("median_ttft_ms")),
-                     _fmt(s.get("p99_ttft_ms")), _fmt(s.get("median_tpot_ms"), 2),
-                     _fmt(s.get("median_itl_ms"), 2), _fmt(s.get("median_e2el_ms")),
-                     _fmt(s.get("cached_token_ratio"), 3)))
+        rows.append(
+            (
+                f"{o.result.target}: {o.result.run}",
+                _fmt(s["completed"]),
+                _fmt(s["failed"]),
+                _fmt(s["request_throughput"], 2),
+                _fmt(s["output_throughput"], 1),
+                _fmt(s.get("median_ttft_ms")),
+                _fmt(s.get("p99_ttft_ms")),
+                _fmt(s.get("median_tpot_ms"), 2),
+                _fmt(s.get("median_itl_ms"), 2),
+                _fmt(s.get("median_e2el_ms")),
+                _fmt(s.get("cached_token_ratio"), 3),
+            )
+        )
     text = _columns(rows)
     multi = [o for o in outcomes if len(o.turns) > 1]
     for o in multi:
         turns = [("turn", "requests", "prompt tok", "cached tok", "cached", "TTFT p50")]
-        turns += [(str(t["turn"] + 1), _fmt(t["requests"]), _fmt(t["prompt_tokens"]),
-                   _fmt(t["total_cached_tokens"]) if t["cached_tokens_reported"] else "-",
-                   _fmt(t["cached_token_ratio"], 3), _fmt(t["median_ttft_ms"]))
-                  for t in o.turns]
+        turns += [
+            (
+                str(t["turn"] + 1),
+                _fmt(t["requests"]),
+                _fmt(t["prompt_tokens"]),
+                _fmt(t["total_cached_tokens"]) if t["cached_tokens_reported"] else "-",
+                _fmt(t["cached_token_ratio"], 3),
+                _fmt(t["median_ttft_ms"]),
+            )
+            for t in o.turns
+        ]
         text += f"\nper turn, {o.result.target}: {o.result.run}:\n" + _columns(turns)
     engines = [o for o in outcomes if o.summary.get("engine", {}).get("prefix_cache_queries_total")]
     for o in engines:
         engine = o.summary["engine"]
-        text += (f"\nengine prefix cache, {o.result.target}: {o.result.run}: "
-                 f"{_fmt(engine.get('prefix_cache_hits_total'), 0)} of "
-                 f"{_fmt(engine.get('prefix_cache_queries_total'), 0)} tokens hit "
-                 f"({_fmt(engine.get('prefix_cache_hit_rate'), 3)})")
+        text += (
+            f"\nengine prefix cache, {o.result.target}: {o.result.run}: "
+            f"{_fmt(engine.get('prefix_cache_hits_total'), 0)} of "
+            f"{_fmt(engine.get('prefix_cache_queries_total'), 0)} tokens hit "
+            f"({_fmt(engine.get('prefix_cache_hit_rate'), 3)})"
+        )
     for o in outcomes:
         for warning in o.summary.get("generator_warnings") or ():
             text += f"\nWARNING: {o.result.target}: {o.result.run}: {warning}"
     for comparison in comparisons:
         r = comparison.ratios
-        text += (f"\nB/A at {comparison.run}: TTFT p50 x{_fmt(r['median_ttft_ms'], 3)}, "
-                 f"E2E p50 x{_fmt(r['median_e2el_ms'], 3)}, "
-                 f"throughput x{_fmt(r['request_throughput'], 3)}; per prompt B-A (balanced): TTFT "
-                 f"{_fmt(comparison.paired['balanced_ttft_diff_ms'], 2)} ms, E2E "
-                 f"{_fmt(comparison.paired['balanced_e2el_diff_ms'], 2)} ms "
-                 f"({comparison.paired['pairs']} pairs)")
+        text += (
+            f"\nB/A at {comparison.run}: TTFT p50 x{_fmt(r['median_ttft_ms'], 3)}, "
+            f"E2E p50 x{_fmt(r['median_e2el_ms'], 3)}, "
+            f"throughput x{_fmt(r['request_throughput'], 3)}; per prompt B-A (balanced): TTFT "
+            f"{_fmt(comparison.paired['balanced_ttft_diff_ms'], 2)} ms, E2E "
+            f"{_fmt(comparison.paired['balanced_e2el_diff_ms'], 2)} ms "
+            f"({comparison.paired['pairs']} pairs)"
+        )
     return text + "\n(latencies in ms)"

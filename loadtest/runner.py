@@ -57,8 +57,13 @@ class LoadShape:
         return f"rate {self.rate:g}/s ({shape}{ceiling})"
 
     def to_json(self) -> dict:
-        return {"concurrency": self.concurrency, "rate": self.rate, "arrival": self.arrival,
-                "burstiness": self.burstiness, "label": self.label}
+        return {
+            "concurrency": self.concurrency,
+            "rate": self.rate,
+            "arrival": self.arrival,
+            "burstiness": self.burstiness,
+            "label": self.label,
+        }
 
 
 @dataclass(frozen=True)
@@ -164,8 +169,7 @@ class Runner:
                 if probe:
                     probe.start_sampling(self._origin)
             if self._shape.rate is None:
-                workers = [asyncio.create_task(self._user())
-                           for _ in range(self._shape.concurrency)]
+                workers = [asyncio.create_task(self._user()) for _ in range(self._shape.concurrency)]
                 await _gather_all(workers)
             else:
                 if self._shape.concurrency:
@@ -176,15 +180,16 @@ class Runner:
             loop_lag = await monitor.stop()
         results = []
         for target, start in zip(self._targets, before):
-            records = sorted((r for r in self._records if r.target == target.label),
-                             key=lambda r: r.sent_s)
+            records = sorted((r for r in self._records if r.target == target.label), key=lambda r: r.sent_s)
             engine = await self._engine_summary(target.probe, start, records)
-            results.append(RunResult(target.label, self._run, self._shape, records, wall, engine,
-                                     loop_lag, self._origin))
+            results.append(
+                RunResult(target.label, self._run, self._shape, records, wall, engine, loop_lag, self._origin)
+            )
         return results
 
-    async def _engine_summary(self, probe: EngineProbe | None, before: dict | None,
-                              records: list[RequestRecord]) -> dict:
+    async def _engine_summary(
+        self, probe: EngineProbe | None, before: dict | None, records: list[RequestRecord]
+    ) -> dict:
         if probe is None:
             return {}
         await probe.stop_sampling()
@@ -194,10 +199,15 @@ class Runner:
         engine: dict = {}
         if before is not None and after is not None:
             engine = counter_deltas(before, after)
-        engine["samples"] = [[round(s.start, 4), s.values.get("vllm:kv_cache_usage_perc"),
-                              s.values.get("vllm:num_requests_running"),
-                              s.values.get("vllm:num_requests_waiting")]
-                             for s in probe.samples]
+        engine["samples"] = [
+            [
+                round(s.start, 4),
+                s.values.get("vllm:kv_cache_usage_perc"),
+                s.values.get("vllm:num_requests_running"),
+                s.values.get("vllm:num_requests_waiting"),
+            ]
+            for s in probe.samples
+        ]
         return engine
 
     def _ticket(self) -> tuple[int, str] | None:
@@ -237,8 +247,9 @@ class Runner:
     async def _open_loop(self) -> None:
         tasks: set[asyncio.Task] = set()
         rng = random.Random(f"{self._seed}:arrivals")
-        arrivals = arrival_times(self._shape.rate, arrival=self._shape.arrival,
-                                 burstiness=self._shape.burstiness, rng=rng)
+        arrivals = arrival_times(
+            self._shape.rate, arrival=self._shape.arrival, burstiness=self._shape.burstiness, rng=rng
+        )
         try:
             for offset in arrivals:
                 due = self._origin + offset
@@ -257,8 +268,7 @@ class Runner:
         finally:
             await _gather_all(list(tasks))
 
-    async def _session(self, session: Session, scheduled: float,
-                       ticket: tuple[int, str] | None) -> None:
+    async def _session(self, session: Session, scheduled: float, ticket: tuple[int, str] | None) -> None:
         order = list(self._targets)
         if self._sessions_started % 2:
             order.reverse()  # paired runs: alternate who goes first
@@ -276,14 +286,23 @@ class Runner:
                     continue  # this target's session was abandoned after an error
                 record = RequestRecord(
                     request_id=f"{_slug(target.label)}-{_slug(self._run)}-{index}",
-                    target=target.label, run=self._run, phase=phase, session_id=session.id,
-                    turn=turn, max_tokens=max_tokens, scheduled_s=scheduled - self._origin)
+                    target=target.label,
+                    run=self._run,
+                    phase=phase,
+                    session_id=session.id,
+                    turn=turn,
+                    max_tokens=max_tokens,
+                    scheduled_s=scheduled - self._origin,
+                )
                 history = histories[target.label]
                 messages = [*session.prefix, *history, message]
                 async with self._ceiling or contextlib.nullcontext():
                     answer = await target.client.stream(
-                        record, messages, origin=self._origin,
-                        on_first_token=target.probe.sample if target.probe else None)
+                        record,
+                        messages,
+                        origin=self._origin,
+                        on_first_token=target.probe.sample if target.probe else None,
+                    )
                 self._records.append(record)
                 if self._on_record is not None:
                     self._on_record(record)

@@ -60,19 +60,82 @@ ARTICLES_SYSTEM_PROMPT = (
     "Do not invent quotes. Write in plain English for a general audience of all ages. "
 )
 
-CITIES = ("Lisbon", "Porto", "Seville", "Lyon", "Bologna", "Krakow", "Ghent", "Valencia",
-          "Edinburgh", "Ljubljana", "Tallinn", "Bergen", "Salzburg", "Granada", "Turin", "Riga")
-CATEGORIES = ("museum", "castle", "market", "garden", "cathedral", "viewpoint", "harbour",
-              "bridge", "old town", "station", "park", "gallery", "river walk", "restaurant")
-NAMES = ("Royal", "Old", "Harbour", "River", "North", "Golden", "Stone", "Saint Mary",
-         "Castle Hill", "Green", "Market Square", "Tower", "Cathedral", "East Gate")
-FEATURES = ("free entry on Sundays", "step-free access", "a quiet reading room",
-            "vegetarian food stalls", "a view over the river", "guided tours at 11:00",
-            "long queues after 10:00", "a small cafe", "a rooftop terrace",
-            "audio guides in six languages", "a playground", "evening concerts")
-PREFERENCES = ("a slow pace", "vegetarian food", "museums", "walks by the river",
-               "quiet places to read", "local markets", "history", "views at sunset",
-               "travelling with two children", "no more than 8 km of walking a day")
+CITIES = (
+    "Lisbon",
+    "Porto",
+    "Seville",
+    "Lyon",
+    "Bologna",
+    "Krakow",
+    "Ghent",
+    "Valencia",
+    "Edinburgh",
+    "Ljubljana",
+    "Tallinn",
+    "Bergen",
+    "Salzburg",
+    "Granada",
+    "Turin",
+    "Riga",
+)
+CATEGORIES = (
+    "museum",
+    "castle",
+    "market",
+    "garden",
+    "cathedral",
+    "viewpoint",
+    "harbour",
+    "bridge",
+    "old town",
+    "station",
+    "park",
+    "gallery",
+    "river walk",
+    "restaurant",
+)
+NAMES = (
+    "Royal",
+    "Old",
+    "Harbour",
+    "River",
+    "North",
+    "Golden",
+    "Stone",
+    "Saint Mary",
+    "Castle Hill",
+    "Green",
+    "Market Square",
+    "Tower",
+    "Cathedral",
+    "East Gate",
+)
+FEATURES = (
+    "free entry on Sundays",
+    "step-free access",
+    "a quiet reading room",
+    "vegetarian food stalls",
+    "a view over the river",
+    "guided tours at 11:00",
+    "long queues after 10:00",
+    "a small cafe",
+    "a rooftop terrace",
+    "audio guides in six languages",
+    "a playground",
+    "evening concerts",
+)
+PREFERENCES = (
+    "a slow pace",
+    "vegetarian food",
+    "museums",
+    "walks by the river",
+    "quiet places to read",
+    "local markets",
+    "history",
+    "views at sunset",
+    "travelling with two children",
+    "no more than 8 km of walking a day",
+)
 QUESTIONS = (
     "Plan day {day} around the {poi}; we like {pref}. How far is it from the hotel?",
     "Can we swap the {poi} for something open after 18:00 on day {day}? We want {pref}.",
@@ -81,19 +144,88 @@ QUESTIONS = (
     "Add the {poi} to day {day} and tell me the ticket prices and the best time to arrive.",
     "We arrive at 09:30 on day {day}. Is the {poi} worth it if we prefer {pref}?",
 )
-SUBJECTS = ("the railway", "the old bridge", "the harbour", "street food", "city gardens",
-            "public libraries", "night trains", "tram networks", "river ferries",
-            "lighthouses", "covered markets", "mountain huts", "coffee houses", "canals",
-            "bicycle lanes", "stone castles", "music festivals", "botanical gardens",
-            "city walls", "cable cars")
-ANGLES = ("its history", "how it works today", "the people who run it", "its future",
-          "what visitors miss", "its role in the local economy", "the best way to see it",
-          "its architecture", "five surprising facts about it", "how it changed since 1950")
-WORDS = ("trip", "plan", "museum", "market", "castle", "river", "station", "ticket", "price",
-         "morning", "evening", "day", "walk", "garden", "bridge", "harbour", "cathedral",
-         "hotel", "restaurant", "vegetarian", "quiet", "read", "open", "hours", "distance",
-         "stops", "minutes", "euros", "stars", "rating", "the", "a", "and", "with", "to", "of",
-         "in", "for", "history", "railway", "old", "short", "visit", "place", "near", "city")
+SUBJECTS = (
+    "the railway",
+    "the old bridge",
+    "the harbour",
+    "street food",
+    "city gardens",
+    "public libraries",
+    "night trains",
+    "tram networks",
+    "river ferries",
+    "lighthouses",
+    "covered markets",
+    "mountain huts",
+    "coffee houses",
+    "canals",
+    "bicycle lanes",
+    "stone castles",
+    "music festivals",
+    "botanical gardens",
+    "city walls",
+    "cable cars",
+)
+ANGLES = (
+    "its history",
+    "how it works today",
+    "the people who run it",
+    "its future",
+    "what visitors miss",
+    "its role in the local economy",
+    "the best way to see it",
+    "its architecture",
+    "five surprising facts about it",
+    "how it changed since 1950",
+)
+WORDS = (
+    "trip",
+    "plan",
+    "museum",
+    "market",
+    "castle",
+    "river",
+    "station",
+    "ticket",
+    "price",
+    "morning",
+    "evening",
+    "day",
+    "walk",
+    "garden",
+    "bridge",
+    "harbour",
+    "cathedral",
+    "hotel",
+    "restaurant",
+    "vegetarian",
+    "quiet",
+    "read",
+    "open",
+    "hours",
+    "distance",
+    "stops",
+    "minutes",
+    "euros",
+    "stars",
+    "rating",
+    "the",
+    "a",
+    "and",
+    "with",
+    "to",
+    "of",
+    "in",
+    "for",
+    "history",
+    "railway",
+    "old",
+    "short",
+    "visit",
+    "place",
+    "near",
+    "city",
+)
 
 
 def fit(text: str, chars: int) -> str:
@@ -119,18 +251,21 @@ def poi_context(rng: random.Random, city: str, chars: int) -> str:
     while size < chars:
         category = rng.choice(CATEGORIES)
         opens, closes = rng.randint(7, 11), rng.randint(16, 23)
-        line = (f"{number}. {rng.choice(NAMES)} {category.title()} ({category}): open "
-                f"{opens:02d}:{rng.choice(('00', '30'))}-{closes:02d}:00, "
-                f"{rng.randint(0, 30)} euros, {rng.randint(1, 60) / 10:.1f} km from the hotel, "
-                f"rating {rng.randint(30, 50) / 10:.1f}, {rng.choice(FEATURES)}.")
+        line = (
+            f"{number}. {rng.choice(NAMES)} {category.title()} ({category}): open "
+            f"{opens:02d}:{rng.choice(('00', '30'))}-{closes:02d}:00, "
+            f"{rng.randint(0, 30)} euros, {rng.randint(1, 60) / 10:.1f} km from the hotel, "
+            f"rating {rng.randint(30, 50) / 10:.1f}, {rng.choice(FEATURES)}."
+        )
         lines.append(line)
         size += len(line) + 1
         number += 1
     return fit("\n".join(lines), chars)
 
 
-def itinerary(seed: int, *, turns: int = 8, system_chars: int = 500, context_chars: int = 2000,
-              max_tokens: int | None = 64) -> Iterator[Session]:
+def itinerary(
+    seed: int, *, turns: int = 8, system_chars: int = 500, context_chars: int = 2000, max_tokens: int | None = 64
+) -> Iterator[Session]:
     """Endless trip-planning sessions (see the module docstring)."""
     if turns < 1:
         raise ScenarioError("--turns must be at least 1")
@@ -143,15 +278,15 @@ def itinerary(seed: int, *, turns: int = 8, system_chars: int = 500, context_cha
         questions = []
         for turn in range(turns):
             question = rng.choice(QUESTIONS).format(
-                day=turn // 2 + 1, poi=f"{rng.choice(NAMES)} {rng.choice(CATEGORIES)}",
-                pref=rng.choice(PREFERENCES))
+                day=turn // 2 + 1, poi=f"{rng.choice(NAMES)} {rng.choice(CATEGORIES)}", pref=rng.choice(PREFERENCES)
+            )
             questions.append({"role": "user", "content": question})
-        yield Session(f"itinerary-{seed}-{index}", prefix, tuple(questions),
-                      (max_tokens,) * turns)
+        yield Session(f"itinerary-{seed}-{index}", prefix, tuple(questions), (max_tokens,) * turns)
 
 
-def articles(seed: int, *, num_prompts: int = 100, system_chars: int = 500,
-             max_tokens: int | None = 64) -> Iterator[Session]:
+def articles(
+    seed: int, *, num_prompts: int = 100, system_chars: int = 500, max_tokens: int | None = 64
+) -> Iterator[Session]:
     """`num_prompts` single-turn article requests sharing one system prompt, distinct topics."""
     system = ({"role": "system", "content": fit(ARTICLES_SYSTEM_PROMPT, system_chars)},)
     topics = [(s, a) for s in SUBJECTS for a in ANGLES]
@@ -161,10 +296,11 @@ def articles(seed: int, *, num_prompts: int = 100, system_chars: int = 500,
         rng = _rng(seed, "articles", index)
         city = rng.choice(CITIES)
         cycle = f" (part {index // len(topics) + 1})" if index >= len(topics) else ""
-        prompt = (f"Write an article about {subject} in {city}, focusing on {angle}{cycle}. "
-                  f"Mention {rng.choice(FEATURES)} and aim for about {rng.randint(4, 9)}00 words.")
-        yield Session(f"articles-{seed}-{index}", system,
-                      ({"role": "user", "content": prompt},), (max_tokens,))
+        prompt = (
+            f"Write an article about {subject} in {city}, focusing on {angle}{cycle}. "
+            f"Mention {rng.choice(FEATURES)} and aim for about {rng.randint(4, 9)}00 words."
+        )
+        yield Session(f"articles-{seed}-{index}", system, ({"role": "user", "content": prompt},), (max_tokens,))
 
 
 def sample_length(rng: random.Random, mean: int, dist: str, spread: float) -> int:
@@ -178,8 +314,9 @@ def sample_length(rng: random.Random, mean: int, dist: str, spread: float) -> in
     raise ScenarioError(f"unknown length distribution {dist!r} (fixed, uniform, normal)")
 
 
-def random_prompts(seed: int, *, input_chars: int = 1000, max_tokens: int = 64,
-                   dist: str = "fixed", spread: float = 0.25) -> Iterator[Session]:
+def random_prompts(
+    seed: int, *, input_chars: int = 1000, max_tokens: int = 64, dist: str = "fixed", spread: float = 0.25
+) -> Iterator[Session]:
     """Endless unrelated prompts of random words; lengths per `sample_length`.
 
     Each prompt starts with its own index so that no two share a cacheable prefix.
@@ -194,8 +331,12 @@ def random_prompts(seed: int, *, input_chars: int = 1000, max_tokens: int = 64,
             words.append(word)
             length += len(word) + 1
         text = " ".join(words)[:size]
-        yield Session(f"random-{seed}-{index}", (), ({"role": "user", "content": text},),
-                      (sample_length(rng, max_tokens, dist, spread),))
+        yield Session(
+            f"random-{seed}-{index}",
+            (),
+            ({"role": "user", "content": text},),
+            (sample_length(rng, max_tokens, dist, spread),),
+        )
 
 
 def load_file(path: str | Path, *, max_tokens: int | None = 64) -> list[Session]:
@@ -230,39 +371,50 @@ def _session_from_entry(entry: object, where: str, default_max: int | None) -> S
     sid = str(entry.get("id") or where)
     if "messages" in entry:
         messages = entry["messages"]
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and "role" in m for m in messages):
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(isinstance(m, dict) and "role" in m for m in messages)
+        ):
             raise ScenarioError(f"{where}: 'messages' must be a non-empty list of messages")
         return Session(sid, tuple(messages[:-1]), (messages[-1],), (max_tokens,))
     if "prompt" in entry:
-        return Session(sid, (), ({"role": "user", "content": str(entry["prompt"])},),
-                       (max_tokens,))
+        return Session(sid, (), ({"role": "user", "content": str(entry["prompt"])},), (max_tokens,))
     if "turns" in entry:
         turns = entry["turns"]
         if not isinstance(turns, list) or not turns:
             raise ScenarioError(f"{where}: 'turns' must be a non-empty list")
-        prefix = ({"role": "system", "content": str(entry["system"])},) if entry.get(
-            "system") else ()
-        messages = tuple(t if isinstance(t, dict) else {"role": "user", "content": str(t)}
-                         for t in turns)
+        prefix = ({"role": "system", "content": str(entry["system"])},) if entry.get("system") else ()
+        messages = tuple(t if isinstance(t, dict) else {"role": "user", "content": str(t)} for t in turns)
         return Session(sid, prefix, messages, (max_tokens,) * len(messages))
     raise ScenarioError(f"{where}: expected one of 'messages', 'prompt' or 'turns'")
 
 
-def build(name: str, *, seed: int, max_tokens: int | None, turns: int = 8,
-          system_chars: int = 500, context_chars: int = 2000, num_prompts: int = 100,
-          input_chars: int = 1000, length_dist: str = "fixed", length_spread: float = 0.25,
-          file: str | None = None) -> Iterable[Session]:
+def build(
+    name: str,
+    *,
+    seed: int,
+    max_tokens: int | None,
+    turns: int = 8,
+    system_chars: int = 500,
+    context_chars: int = 2000,
+    num_prompts: int = 100,
+    input_chars: int = 1000,
+    length_dist: str = "fixed",
+    length_spread: float = 0.25,
+    file: str | None = None,
+) -> Iterable[Session]:
     """The sessions of scenario `name` with the command line's options."""
     if name == "itinerary":
-        return itinerary(seed, turns=turns, system_chars=system_chars,
-                         context_chars=context_chars, max_tokens=max_tokens)
+        return itinerary(
+            seed, turns=turns, system_chars=system_chars, context_chars=context_chars, max_tokens=max_tokens
+        )
     if name == "articles":
-        return articles(seed, num_prompts=num_prompts, system_chars=system_chars,
-                        max_tokens=max_tokens)
+        return articles(seed, num_prompts=num_prompts, system_chars=system_chars, max_tokens=max_tokens)
     if name == "random":
-        return random_prompts(seed, input_chars=input_chars, max_tokens=max_tokens or 64,
-                              dist=length_dist, spread=length_spread)
+        return random_prompts(
+            seed, input_chars=input_chars, max_tokens=max_tokens or 64, dist=length_dist, spread=length_spread
+        )
     if name == "file":
         if not file:
             raise ScenarioError("--scenario file needs --file PATH")

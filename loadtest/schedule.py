@@ -15,8 +15,7 @@ from collections.abc import Iterator
 ARRIVALS = ("poisson", "gamma", "constant")
 
 
-def gaps(rate: float, *, arrival: str = "poisson", burstiness: float = 1.0,
-         rng: random.Random) -> Iterator[float]:
+def gaps(rate: float, *, arrival: str = "poisson", burstiness: float = 1.0, rng: random.Random) -> Iterator[float]:
     """Endless gaps (seconds) between consecutive arrivals at mean `rate` per second."""
     if rate <= 0:
         raise ValueError("rate must be positive")
@@ -34,8 +33,9 @@ def gaps(rate: float, *, arrival: str = "poisson", burstiness: float = 1.0,
         yield rng.gammavariate(burstiness, scale)
 
 
-def arrival_times(rate: float, *, arrival: str = "poisson", burstiness: float = 1.0,
-                  rng: random.Random) -> Iterator[float]:
+def arrival_times(
+    rate: float, *, arrival: str = "poisson", burstiness: float = 1.0, rng: random.Random
+) -> Iterator[float]:
     """Endless arrival offsets from the start of the run; the first arrival is at 0."""
     offset = 0.0
     for gap in gaps(rate, arrival=arrival, burstiness=burstiness, rng=rng):

@@ -34,42 +34,42 @@ from loadtest.metrics import describe, percentile
 from loadtest.overhead import fetch_engine_timings, overhead_summary
 from loadtest.runner import LoadShape, Runner, StopRule
 
-CLIENT_NAMES = {"raw": "loadtest.transport (asyncio + httptools)",
-                "httpx": "httpx AsyncClient (httpcore pool)"}
+CLIENT_NAMES = {"raw": "loadtest.transport (asyncio + httptools)", "httpx": "httpx AsyncClient (httpcore pool)"}
 
 
-async def _one_run(args, kind: str, shape: LoadShape, stop: StopRule,
-                   control: httpx.AsyncClient) -> dict:
+async def _one_run(args, kind: str, shape: LoadShape, stop: StopRule, control: httpx.AsyncClient) -> dict:
     base = args.url.rstrip("/")
     (await control.delete(f"{base}/_standin/timings")).raise_for_status()
     pool = shape.concurrency or 4096
     cpu_before = resource.getrusage(resource.RUSAGE_SELF)
-    async with make_transport(kind, max_connections=pool,
-                              timeout_s=args.timeout) as http:
+    async with make_transport(kind, max_connections=pool, timeout_s=args.timeout) as http:
         client = ChatClient(base, http=http, model=args.model, timeout_s=args.timeout)
-        sessions = scenarios.random_prompts(args.seed, input_chars=args.input_chars,
-                                            max_tokens=args.max_tokens)
+        sessions = scenarios.random_prompts(args.seed, input_chars=args.input_chars, max_tokens=args.max_tokens)
         result = await Runner(client, sessions, shape, stop, run=shape.label).run()
     cpu_after = resource.getrusage(resource.RUSAGE_SELF)
     cpu_s = (cpu_after.ru_utime + cpu_after.ru_stime) - (cpu_before.ru_utime + cpu_before.ru_stime)
     engine = await fetch_engine_timings(f"{base}/_standin/timings", control)
     measured = result.measured
     ok = [r for r in measured if r.ok]
-    row = {"client": kind, "load": shape.to_json(), "requests": len(measured),
-           "failed": len(measured) - len(ok),
-           **overhead_summary(measured, engine, origin=result.origin)}
+    row = {
+        "client": kind,
+        "load": shape.to_json(),
+        "requests": len(measured),
+        "failed": len(measured) - len(ok),
+        **overhead_summary(measured, engine, origin=result.origin),
+    }
     row["client_cpu_s"] = cpu_s
     row["client_cpu_per_request_ms"] = cpu_s / len(result.records) * 1000
     row["client_cpu_share"] = cpu_s / result.wall_s
     ttft = describe([r.ttft_s for r in ok if r.ttft_s is not None])
     row["median_ttft_ms"] = ttft.get("median", math.nan) * 1000
-    row["median_engine_ttft_ms"] = percentile(
-        [t["ttft_s"] for r in ok if (t := engine.get(r.request_id)) and t.get("ttft_s")], 50) * 1000
+    row["median_engine_ttft_ms"] = (
+        percentile([t["ttft_s"] for r in ok if (t := engine.get(r.request_id)) and t.get("ttft_s")], 50) * 1000
+    )
     sent = sorted(r.sent_s for r in measured)
     span = sent[-1] - sent[0] if len(sent) > 1 else math.nan
     row["send_rate"] = (len(sent) - 1) / span if span and span > 0 else math.nan
-    row["warnings"] = saturation({**result.loop_lag, "achieved_rate": row["send_rate"]},
-                                 target_rate=shape.rate)
+    row["warnings"] = saturation({**result.loop_lag, "achieved_rate": row["send_rate"]}, target_rate=shape.rate)
     row["p99_lateness_ms"] = percentile([r.lateness_s for r in measured], 99) * 1000
     row["loop_lag"] = getattr(result, "loop_lag", None)
     return row
@@ -81,12 +81,12 @@ async def run(args) -> list[dict]:
     levels = []
     for concurrency in args.concurrency:
         count = max(args.min_requests, args.requests_per_stream * concurrency)
-        levels.append((LoadShape(concurrency=concurrency),
-                       StopRule(num_requests=count, warmup_requests=concurrency)))
+        levels.append((LoadShape(concurrency=concurrency), StopRule(num_requests=count, warmup_requests=concurrency)))
     for rate in args.rate:
         count = max(args.min_requests, int(rate * args.rate_seconds))
-        levels.append((LoadShape(rate=rate, arrival="constant"),
-                       StopRule(num_requests=count, warmup_requests=int(rate * 0.5))))
+        levels.append(
+            (LoadShape(rate=rate, arrival="constant"), StopRule(num_requests=count, warmup_requests=int(rate * 0.5)))
+        )
     rows = []
     async with httpx.AsyncClient(trust_env=False) as control:
         for index, (shape, stop) in enumerate(levels):
@@ -99,13 +99,16 @@ async def run(args) -> list[dict]:
 
 def _print(row: dict) -> None:
     load = row["load"]
-    print(f"{row['client']:>5} {load['label']:>28}: {row['requests']} req, failed {row['failed']}, added TTFT "
-          f"p50 {row['median_added_ttft_ms']:.2f} ms p99 {row['p99_added_ttft_ms']:.2f} ms, "
-          f"send rate {row['send_rate']:.1f}/s; legs p50 send "
-          f"{row.get('median_send_leg_ms', math.nan):.2f} receive "
-          f"{row.get('median_receive_leg_ms', math.nan):.2f} ms; loop lag p99 "
-          f"{(row.get('loop_lag') or {}).get('p99_loop_lag_ms', math.nan):.1f} ms; CPU "
-          f"{row['client_cpu_share']:.2f} core", flush=True)
+    print(
+        f"{row['client']:>5} {load['label']:>28}: {row['requests']} req, failed {row['failed']}, added TTFT "
+        f"p50 {row['median_added_ttft_ms']:.2f} ms p99 {row['p99_added_ttft_ms']:.2f} ms, "
+        f"send rate {row['send_rate']:.1f}/s; legs p50 send "
+        f"{row.get('median_send_leg_ms', math.nan):.2f} receive "
+        f"{row.get('median_receive_leg_ms', math.nan):.2f} ms; loop lag p99 "
+        f"{(row.get('loop_lag') or {}).get('p99_loop_lag_ms', math.nan):.1f} ms; CPU "
+        f"{row['client_cpu_share']:.2f} core",
+        flush=True,
+    )
 
 
 def _fmt(value, digits=2) -> str:
@@ -116,23 +119,39 @@ def _fmt(value, digits=2) -> str:
 
 def markdown(document: dict) -> str:
     """The tables over every label in `document` (closed-loop added time; open-loop rates)."""
-    lines = ["# The load tester's own added time, measured against the stand-in engine", "",
-             ("Written by `python -m loadtest.selfcheck`. added TTFT = the load tester's TTFT - "
-              "the engine-side TTFT of the same request (joined by `x-request-id`). It includes "
-              "the loopback both ways and the stand-in's HTTP parsing, so it bounds the load "
-              "tester's own share from above. Client CPU per request includes the idle "
-              "event loop's timers, which dominate at low rates."), ""]
+    lines = [
+        "# The load tester's own added time, measured against the stand-in engine",
+        "",
+        (
+            "Written by `python -m loadtest.selfcheck`. added TTFT = the load tester's TTFT - "
+            "the engine-side TTFT of the same request (joined by `x-request-id`). It includes "
+            "the loopback both ways and the stand-in's HTTP parsing, so it bounds the load "
+            "tester's own share from above. Client CPU per request includes the idle "
+            "event loop's timers, which dominate at low rates."
+        ),
+        "",
+    ]
     for label, entry in document["labels"].items():
-        lines += [f"## {label}", "", f"- {entry['when']}, {entry['machine']}",
-                  f"- command: `{entry['command']}`", f"- `uptime` before: {entry['uptime']}",
-                  f"- `uptime` after: {entry.get('uptime_after', '-')}",
-                  f"- event loop: {entry['loop']}; clients: " + "; ".join(
-                      f"`{k}` = {v}" for k, v in entry["clients"].items()), ""]
-        lines += [("| client | streams | requests | failed | TTFT p50 (ms) | engine TTFT p50 (ms) | "
-                   "**added TTFT p50 (ms)** | **added TTFT p99 (ms)** | send leg p50 / p99 | "
-                   "receive leg p50 / p99 | added E2E p50 (ms) | loop lag p99 (ms) | "
-                   "client CPU per request (ms) | client CPU share of a core |"),
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"## {label}",
+            "",
+            f"- {entry['when']}, {entry['machine']}",
+            f"- command: `{entry['command']}`",
+            f"- `uptime` before: {entry['uptime']}",
+            f"- `uptime` after: {entry.get('uptime_after', '-')}",
+            f"- event loop: {entry['loop']}; clients: "
+            + "; ".join(f"`{k}` = {v}" for k, v in entry["clients"].items()),
+            "",
+        ]
+        lines += [
+            (
+                "| client | streams | requests | failed | TTFT p50 (ms) | engine TTFT p50 (ms) | "
+                "**added TTFT p50 (ms)** | **added TTFT p99 (ms)** | send leg p50 / p99 | "
+                "receive leg p50 / p99 | added E2E p50 (ms) | loop lag p99 (ms) | "
+                "client CPU per request (ms) | client CPU share of a core |"
+            ),
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for row in entry["rows"]:
             if row["load"]["rate"] is not None:
                 continue
@@ -147,19 +166,26 @@ def markdown(document: dict) -> str:
                 f"{_fmt(row.get('p99_receive_leg_ms'))} "
                 f"| {_fmt(row['median_added_e2el_ms'])} | {_fmt(lag)} "
                 f"| {_fmt(row.get('client_cpu_per_request_ms'), 3)} "
-                f"| {_fmt(row.get('client_cpu_share'), 2)} |")
+                f"| {_fmt(row.get('client_cpu_share'), 2)} |"
+            )
         rates = [row for row in entry["rows"] if row["load"]["rate"] is not None]
         if rates:
-            lines += ["", ("| client | target rate (req/s, constant) | requests | achieved send rate | "
-                           "achieved / target | lateness p99 (ms) | added TTFT p50 (ms) | "
-                           "p99 (ms) |"),
-                      "|---|---:|---:|---:|---:|---:|---:|---:|"]
+            lines += [
+                "",
+                (
+                    "| client | target rate (req/s, constant) | requests | achieved send rate | "
+                    "achieved / target | lateness p99 (ms) | added TTFT p50 (ms) | "
+                    "p99 (ms) |"
+                ),
+                "|---|---:|---:|---:|---:|---:|---:|---:|",
+            ]
             for row in rates:
                 target = row["load"]["rate"]
                 lines.append(
                     f"| {row['client']} | {target:g} | {row['requests']} | {_fmt(row['send_rate'], 1)} | "
                     f"{_fmt(row['send_rate'] / target, 3)} | {_fmt(row['p99_lateness_ms'])} | "
-                    f"{_fmt(row['median_added_ttft_ms'])} | {_fmt(row['p99_added_ttft_ms'])} |")
+                    f"{_fmt(row['median_added_ttft_ms'])} | {_fmt(row['p99_added_ttft_ms'])} |"
+                )
         lines.append("")
     return "\n".join(lines)
 
@@ -180,24 +206,23 @@ def _floats(text: str) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.selfcheck",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m loadtest.selfcheck", description=__doc__.split("\n")[0])
     parser.add_argument("--url", required=True, help="a stand-in engine (tests.standin)")
     parser.add_argument("--model", default="standin")
     parser.add_argument("--label", required=True, help="this measurement's name (before, after)")
     parser.add_argument("--output", default="loadtest/results/client-overhead")
     parser.add_argument("--concurrency", type=_ints, default=[1, 8, 32, 128, 256])
     parser.add_argument("--rate", type=_floats, default=[])
-    parser.add_argument("--rate-seconds", type=float, default=5.0,
-                        help="measured requests per rate = rate x this")
+    parser.add_argument("--rate-seconds", type=float, default=5.0, help="measured requests per rate = rate x this")
     parser.add_argument("--requests-per-stream", type=int, default=4)
     parser.add_argument("--min-requests", type=int, default=200)
     parser.add_argument("--input-chars", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=60.0)
-    parser.add_argument("--http-client", type=_clients, default=["raw"],
-                        help="comma-separated, run back to back per level (raw, httpx)")
+    parser.add_argument(
+        "--http-client", type=_clients, default=["raw"], help="comma-separated, run back to back per level (raw, httpx)"
+    )
     parser.add_argument("--loop", choices=aio.LOOPS, default="auto")
     args = parser.parse_args(argv)
     uptime = os.popen("uptime").read().strip()
@@ -208,13 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     document = json.loads(path.read_text()) if path.exists() else {"labels": {}}
     document["labels"][args.label] = {
         "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
-                   f"{platform.python_version()}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
         "command": "python -m loadtest.selfcheck " + " ".join(argv or os.sys.argv[1:]),
-        "uptime": uptime, "uptime_after": os.popen("uptime").read().strip(),
+        "uptime": uptime,
+        "uptime_after": os.popen("uptime").read().strip(),
         "clients": {c: CLIENT_NAMES[c] for c in args.http_client},
         "loop": aio.loop_name(args.loop),
-        "rows": rows}
+        "rows": rows,
+    }
     path.write_text(json.dumps(document, indent=2, default=str) + "\n")
     (output / "overhead.md").write_text(markdown(document))
     print(f"wrote {output}/overhead.md")

@@ -105,7 +105,6 @@ class SSEDecoder:
         self._event = ""
         return event
 
-
     def _consume_lf(self, text: str) -> list[SSEEvent]:
         """`_consume` for text whose only line ends are `\n` (what servers send): one split."""
         *lines, self._pending = text.split("\n")

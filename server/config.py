@@ -32,7 +32,9 @@ class SettingsError(ValueError):
     """A config that cannot be used, with where and why."""
 
 
-_DNS_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?)*\.?")
+_DNS_NAME = re.compile(
+    r"(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?)*\.?"
+)
 
 
 def parse_dns(target: str) -> tuple[str, int | None]:

@@ -73,7 +73,10 @@ def real_engine(tmp_path_factory) -> RealEngine:
     log_file = log_path.open("w")
     process = subprocess.Popen(
         [sys.executable, "-m", "server", "engine", str(TINY_PROFILE), "--port", str(port)],
-        cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+        cwd=ROOT,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + ENGINE_START_TIMEOUT
@@ -81,8 +84,7 @@ def real_engine(tmp_path_factory) -> RealEngine:
     while True:
         if process.poll() is not None:
             log_file.close()
-            pytest.fail(f"the engine supervisor exited with {process.returncode}:\n"
-                        + log_path.read_text()[-4000:])
+            pytest.fail(f"the engine supervisor exited with {process.returncode}:\n" + log_path.read_text()[-4000:])
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 break
@@ -91,8 +93,9 @@ def real_engine(tmp_path_factory) -> RealEngine:
         if time.monotonic() > deadline:
             _stop(process)
             log_file.close()
-            pytest.fail(f"the engine did not become healthy in {ENGINE_START_TIMEOUT:.0f} s:\n"
-                        + log_path.read_text()[-4000:])
+            pytest.fail(
+                f"the engine did not become healthy in {ENGINE_START_TIMEOUT:.0f} s:\n" + log_path.read_text()[-4000:]
+            )
         time.sleep(0.5)
     sys.stderr.write(f"\n[tests] real vLLM engine ready at {url} in {time.monotonic() - started:.1f} s\n")
     models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
@@ -107,8 +110,11 @@ def real_engine(tmp_path_factory) -> RealEngine:
 @pytest.fixture(scope="session")
 def real_embed_engine(tmp_path_factory):
     """The tiny model as an embedding model (configs/profiles/tiny-embed.yaml), once per session."""
-    yield from running_engine(ROOT / "configs" / "profiles" / "tiny-embed.yaml", tmp_path_factory.mktemp("embed"),
-                              reuse_env="TEST_EMBED_ENGINE_URL")
+    yield from running_engine(
+        ROOT / "configs" / "profiles" / "tiny-embed.yaml",
+        tmp_path_factory.mktemp("embed"),
+        reuse_env="TEST_EMBED_ENGINE_URL",
+    )
 
 
 def _stop(process: subprocess.Popen) -> None:

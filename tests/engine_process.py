@@ -56,23 +56,29 @@ def running_engine(profile_path: Path, log_dir: Path, *, reuse_env: str) -> Iter
     with log_path.open("w") as log_file:
         process = subprocess.Popen(
             [sys.executable, "-m", "server", "engine", str(profile_path), "--port", str(port)],
-            cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=ROOT,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         try:
             url = f"http://127.0.0.1:{port}"
             started = time.monotonic()
             while True:
                 if process.poll() is not None:
-                    pytest.fail(f"the {profile.name} engine exited with {process.returncode}:\n"
-                                + log_path.read_text()[-4000:])
+                    pytest.fail(
+                        f"the {profile.name} engine exited with {process.returncode}:\n" + log_path.read_text()[-4000:]
+                    )
                 try:
                     if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() - started > START_TIMEOUT:
-                    pytest.fail(f"the {profile.name} engine was not healthy in {START_TIMEOUT:.0f} s:\n"
-                                + log_path.read_text()[-4000:])
+                    pytest.fail(
+                        f"the {profile.name} engine was not healthy in {START_TIMEOUT:.0f} s:\n"
+                        + log_path.read_text()[-4000:]
+                    )
                 time.sleep(0.5)
             took = time.monotonic() - started
             sys.stderr.write(f"\n[tests] {profile.name} engine ready at {url} in {took:.1f} s\n")

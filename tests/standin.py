@@ -33,7 +33,8 @@ Runtime control (JSON):
   `usage.prompt_tokens_details.cached_tokens` (the prompt tokens found in the stand-in's prefix
   cache), as vLLM does with `--enable-prompt-tokens-details`; off by default, like vLLM.
 - `GET /_standin/stats`: `running`, `started`, `finished`, `aborted` (the client left before the
-  response finished; seen at once through `http.disconnect`), `rejected` (answered with an error), `died` (dropped by `die_after_chunks`), `held` (waiting for a release), `peak_running`,
+  response finished; seen at once through `http.disconnect`), `rejected` (answered with an error),
+  `died` (dropped by `die_after_chunks`), `held` (waiting for a release), `peak_running`,
   `tokenize_calls`, `requests` (per path), `last_request` (`path`, `headers`, `body` of the last
   generation request) and `last_tokenize`. `DELETE /_standin/stats` zeroes them.
 
@@ -315,7 +316,8 @@ class Standin:
              f"{{{labels}}} 0.0"),
             ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
              f"{{{labels}}} {float(usage)}"),
-            ("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.",
+            ("vllm:prefix_cache_queries_total", "counter",
+             "Prefix cache queries, in terms of number of queried tokens.",
              f"{{{labels}}} {float(self.prefix_queries)}"),
             ("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.",
              f"{{{labels}}} {float(self.prefix_hits)}"),
@@ -351,8 +353,14 @@ class Standin:
 
     def _timing(self, request_id: str, arrived: float) -> dict:
         """A fresh engine-side timing entry for one request (the oldest ones are dropped)."""
-        timing = {"arrived": arrived, "first_token": None, "last_token": None, "ended": None,
-                  "tokens": 0, "ttft_s": None}
+        timing = {
+            "arrived": arrived,
+            "first_token": None,
+            "last_token": None,
+            "ended": None,
+            "tokens": 0,
+            "ttft_s": None,
+        }
         self.timings[request_id] = timing
         self.timings.move_to_end(request_id)
         while len(self.timings) > TIMINGS_KEPT:
@@ -590,8 +598,9 @@ class Standin:
             blocks.popitem(last=False)
         return self.prefix_hits - hits_before
 
-    async def _stream(self, send: Send, plan: _Generation, arrived: float, model: str,
-                      timing: dict | None = None) -> None:
+    async def _stream(
+        self, send: Send, plan: _Generation, arrived: float, model: str, timing: dict | None = None
+    ) -> None:
         timing = timing if timing is not None else {}
         loop = asyncio.get_running_loop()
         start = loop.time() - (time.perf_counter() - arrived)  # the arrival, on the loop's clock
@@ -699,7 +708,9 @@ def _stream_events(plan: _Generation, model: str) -> list[tuple[str, bytes]]:
             f'data: {{"id":"cmpl-{plan.request_id}","object":"text_completion","created":{created},'
             f'"model":{dumps(model)},"choices":[{{"index":0,"text":'
         ).encode()
-        middle = b',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":null}]}\n\n'
+        middle = (
+            b',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":null}]}\n\n'
+        )
         last = (
             f',"logprobs":null,"finish_reason":"{plan.finish_reason}","stop_reason":null,'
             f'"prompt_token_ids":null,"token_ids":null}}]}}\n\n'
@@ -832,8 +843,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--itl-ms", type=float, default=10.0)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--prompt-tokens-details", action="store_true",
-                        help="report usage.prompt_tokens_details.cached_tokens (vLLM's flag)")
+    parser.add_argument(
+        "--prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens (vLLM's flag)",
+    )
     args = parser.parse_args(argv)
     config = StandinConfig(
         model=args.model, ttft_ms=args.ttft_ms, itl_ms=args.itl_ms, tokens=args.tokens,

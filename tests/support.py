@@ -43,8 +43,12 @@ def refusing_port() -> Iterator[int]:
         yield sock.getsockname()[1]
 
 
-def wait_for(predicate: Callable[[], T], timeout: float = WAIT_TIMEOUT, interval: float = 0.02,
-             what: str | Callable[[], object] = "") -> T:
+def wait_for(
+    predicate: Callable[[], T],
+    timeout: float = WAIT_TIMEOUT,
+    interval: float = 0.02,
+    what: str | Callable[[], object] = "",
+) -> T:
     """Poll `predicate` until it returns something truthy, and return that; fail after `timeout` s.
 
     `what` describes the condition in the failure message (a callable is called then, e.g. to show
@@ -61,8 +65,12 @@ def wait_for(predicate: Callable[[], T], timeout: float = WAIT_TIMEOUT, interval
         time.sleep(interval)
 
 
-async def async_wait_for(predicate: Callable[[], T | Awaitable[T]], timeout: float = WAIT_TIMEOUT,
-                         interval: float = 0.02, what: str | Callable[[], object] = "") -> T:
+async def async_wait_for(
+    predicate: Callable[[], T | Awaitable[T]],
+    timeout: float = WAIT_TIMEOUT,
+    interval: float = 0.02,
+    what: str | Callable[[], object] = "",
+) -> T:
     """`wait_for` inside an event loop: sleeps without blocking it; `predicate` may be async."""
     deadline = time.monotonic() + timeout
     while True:
@@ -102,8 +110,10 @@ def raw_post(url: str, body: object) -> Iterator[socket.socket]:
     """
     parts = httpx.URL(url)
     payload = json.dumps(body).encode()
-    head = (f"POST {parts.raw_path.decode()} HTTP/1.1\r\nhost: {parts.host}:{parts.port}\r\n"
-            f"content-type: application/json\r\ncontent-length: {len(payload)}\r\n\r\n").encode()
+    head = (
+        f"POST {parts.raw_path.decode()} HTTP/1.1\r\nhost: {parts.host}:{parts.port}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(payload)}\r\n\r\n"
+    ).encode()
     with socket.create_connection((parts.host, parts.port), timeout=WAIT_TIMEOUT) as sock:
         sock.sendall(head + payload)
         yield sock

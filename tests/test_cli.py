@@ -26,8 +26,9 @@ FLAGS = {
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server", *args], check=False, capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "server", *args], check=False, capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
 
 
 def test_every_command_is_listed_with_its_flags(capsys):
@@ -44,10 +45,14 @@ def test_every_command_is_listed_with_its_flags(capsys):
 
 
 def test_parsing_a_command_imports_neither_torch_nor_the_gateway():
-    code = ("import sys; from server.cli import build_parser; build_parser().parse_args(['up']); "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'vllm', 'fastapi', "
-            "'uvicorn'} or m.startswith(('server.gateway', 'server.deploy'))))")
-    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    code = (
+        "import sys; from server.cli import build_parser; build_parser().parse_args(['up']); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'vllm', 'fastapi', "
+        "'uvicorn'} or m.startswith(('server.gateway', 'server.deploy'))))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
 

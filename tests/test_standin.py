@@ -292,8 +292,9 @@ def test_hold_keeps_requests_in_flight_until_released(standin, client):
     client.post(f"{url}/_standin/faults", json={"hold": True})
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         futures = [
-            pool.submit(httpx.post, f"{url}/v1/chat/completions", json={"messages": MESSAGES, "stream": stream},
-                        timeout=30)
+            pool.submit(
+                httpx.post, f"{url}/v1/chat/completions", json={"messages": MESSAGES, "stream": stream}, timeout=30
+            )
             for stream in (False, True, False)
         ]
         wait_for(lambda: stats(client, url)["held"] == 3)

@@ -77,6 +77,7 @@ START_PERIOD = {"gpu": "30m", "cpu": "10m"}
 # The one check both engine images can run: python is in both, curl in neither for sure.
 HEALTH_PROBE = "import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/health', timeout=5)"
 
+
 class ComposeError(ValueError):
     """A gateway config that cannot be turned into a compose deployment, with the reason."""
 
@@ -90,8 +91,9 @@ def check_plan(plan: DeploymentPlan, compose_dir: Path) -> None:
     configs = (compose_dir.parent / "configs").resolve()
     for model in plan.models:
         if model.profile_path is not None and not model.profile_path.resolve().is_relative_to(configs):
-            raise ComposeError(f"{model.profile_path}: the gateway container sees {configs} only; "
-                               "keep the profile under it")
+            raise ComposeError(
+                f"{model.profile_path}: the gateway container sees {configs} only; keep the profile under it"
+            )
     if not any(model.urls for model in plan.models):
         raise ComposeError("the config names no model to serve")
 
@@ -109,8 +111,7 @@ def container_model(profile: Profile, compose_dir: Path) -> tuple[str | None, st
     if profile.build_tiny_model:
         if profile.device != "cpu":
             raise ComposeError(
-                f"{profile.name}: the tiny model is built into the CPU engine image only; "
-                "use `device: cpu` for it"
+                f"{profile.name}: the tiny model is built into the CPU engine image only; use `device: cpu` for it"
             )
         return TINY_MODEL_IN_IMAGE, None
     inside = f"{MODELS_IN_CONTAINER}/{path.name}"
@@ -126,14 +127,19 @@ def _relative(path: Path, start: Path) -> str:
 def engine_command(engine: PlannedEngine, compose_dir: Path) -> list[str]:
     """The container's arguments after the image's entrypoint: the one renderer's output."""
     model, _ = container_model(engine.profile, compose_dir)
-    return engine_argv(engine.profile, host="0.0.0.0", port=ENGINE_PORT, launcher="image",
-                       model=model, kv_events_port=engine.kv_events_port)
+    return engine_argv(
+        engine.profile,
+        host="0.0.0.0",
+        port=ENGINE_PORT,
+        launcher="image",
+        model=model,
+        kv_events_port=engine.kv_events_port,
+    )
 
 
 def gateway_command() -> list[str]:
     """`python -m server serve ...` arguments (after the image's `python -m server` entrypoint)."""
-    return ["serve", "--config", GATEWAY_CONFIG_IN_CONTAINER,
-            "--host", "0.0.0.0", "--port", str(GATEWAY_PORT)]
+    return ["serve", "--config", GATEWAY_CONFIG_IN_CONTAINER, "--host", "0.0.0.0", "--port", str(GATEWAY_PORT)]
 
 
 def render_gateway_config(plan: DeploymentPlan, config: Path, compose_dir: Path) -> dict[str, Any]:
@@ -195,8 +201,7 @@ def _healthcheck(port: int, start_period: str) -> dict[str, Any]:
 
 def engine_service(engine: PlannedEngine, compose_dir: Path) -> dict[str, Any]:
     profile = engine.profile
-    environment: dict[str, str] = {"HF_TOKEN": "${HF_TOKEN:-}", "HF_HOME": HF_HOME,
-                                   "VLLM_CACHE_ROOT": VLLM_CACHE}
+    environment: dict[str, str] = {"HF_TOKEN": "${HF_TOKEN:-}", "HF_HOME": HF_HOME, "VLLM_CACHE_ROOT": VLLM_CACHE}
     environment.update(profile.env)
     volumes = [f"{HF_CACHE_VOLUME}:{HF_HOME}", f"vllm-cache:{VLLM_CACHE}"]
     _, mount = container_model(profile, compose_dir)
@@ -218,9 +223,15 @@ def engine_service(engine: PlannedEngine, compose_dir: Path) -> dict[str, Any]:
     if dependency := engine_dependency(engine):
         service["depends_on"] = dependency
     if engine.gpus:
-        service["deploy"] = {"resources": {"reservations": {"devices": [
-            {"driver": "nvidia", "device_ids": [str(gpu) for gpu in engine.gpus], "capabilities": ["gpu"]}
-        ]}}}
+        service["deploy"] = {
+            "resources": {
+                "reservations": {
+                    "devices": [
+                        {"driver": "nvidia", "device_ids": [str(gpu) for gpu in engine.gpus], "capabilities": ["gpu"]}
+                    ]
+                }
+            }
+        }
     return service
 
 
@@ -242,17 +253,17 @@ def gateway_service(plan: DeploymentPlan, gateway_file: str) -> dict[str, Any]:
     if plan.engines:
         # Started, not healthy: the gateway health-checks its engines itself (/ready), so it and
         # its metrics are up while an engine loads, and one engine that never loads stops nothing.
-        service["depends_on"] = {
-            engine.service: {"condition": "service_started"} for engine in plan.engines
-        }
+        service["depends_on"] = {engine.service: {"condition": "service_started"} for engine in plan.engines}
     return service
 
 
-def render_compose(plan: DeploymentPlan, *, project: str, compose_dir: Path,
-                   prometheus_file: str, gateway_file: str) -> dict[str, Any]:
+def render_compose(
+    plan: DeploymentPlan, *, project: str, compose_dir: Path, prometheus_file: str, gateway_file: str
+) -> dict[str, Any]:
     """The compose file as a mapping (services in start order: engines, gateway, monitoring)."""
-    services: dict[str, Any] = download_services(plan, image=VLLM_GPU_IMAGE, hf_home=HF_HOME,
-                                                 cache_volume=HF_CACHE_VOLUME)
+    services: dict[str, Any] = download_services(
+        plan, image=VLLM_GPU_IMAGE, hf_home=HF_HOME, cache_volume=HF_CACHE_VOLUME
+    )
     for engine in plan.engines:
         services[engine.service] = engine_service(engine, compose_dir)
     services["gateway"] = gateway_service(plan, gateway_file)
@@ -260,15 +271,29 @@ def render_compose(plan: DeploymentPlan, *, project: str, compose_dir: Path,
     return {
         "name": project,
         "services": {name: _ordered(service) for name, service in services.items()},
-        "volumes": {name: {} for name in
-                    ("hf-cache", "vllm-cache", "prometheus-data", "alertmanager-data", "grafana-data")},
+        "volumes": {
+            name: {} for name in ("hf-cache", "vllm-cache", "prometheus-data", "alertmanager-data", "grafana-data")
+        },
         "configs": {"alertmanager": {"content": files.dump(alertmanager_config())}},
     }
 
 
 # The order dclint (service-keys-order) expects a service's keys in; services stay in start order.
-SERVICE_KEYS = ("image", "build", "depends_on", "volumes", "configs", "environment", "ports",
-                "command", "entrypoint", "restart", "healthcheck", "deploy", "ipc")
+SERVICE_KEYS = (
+    "image",
+    "build",
+    "depends_on",
+    "volumes",
+    "configs",
+    "environment",
+    "ports",
+    "command",
+    "entrypoint",
+    "restart",
+    "healthcheck",
+    "deploy",
+    "ipc",
+)
 
 
 def _ordered(service: dict[str, Any]) -> dict[str, Any]:
@@ -298,8 +323,13 @@ def render_files(models: Sequence[ModelEngines], *, config: Path, output: Path) 
     header = files.header(config, make=make, command="compose")
     if plan.gpu_count:
         header += f"# NVIDIA GPUs needed on this host: {plan.gpu_count}.\n"
-    compose = render_compose(plan, project=project, compose_dir=compose_dir,
-                             prometheus_file=prometheus_path.name, gateway_file=gateway_path.name)
+    compose = render_compose(
+        plan,
+        project=project,
+        compose_dir=compose_dir,
+        prometheus_file=prometheus_path.name,
+        gateway_file=gateway_path.name,
+    )
     return {
         output: header + files.dump(compose),
         gateway_path: header + files.dump(render_gateway_config(plan, config, compose_dir)),
@@ -315,5 +345,6 @@ def compose(models: Sequence[ModelEngines], *, config: Path, output: Path | None
     except ComposeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return files.emit(rendered, main=target, write=output is not None, check=check,
-                      regenerate="`make compose` / `make compose-cpu`")
+    return files.emit(
+        rendered, main=target, write=output is not None, check=check, regenerate="`make compose` / `make compose-cpu`"
+    )

@@ -68,9 +68,14 @@ def _check(files: dict[Path, str], regenerate: str) -> int:
         current = path.read_text() if path.exists() else ""
         if current != text:
             drift = True
-            sys.stderr.writelines(difflib.unified_diff(
-                current.splitlines(keepends=True), text.splitlines(keepends=True),
-                fromfile=f"{path} (committed)", tofile=f"{path} (fresh rendering)"))
+            sys.stderr.writelines(
+                difflib.unified_diff(
+                    current.splitlines(keepends=True),
+                    text.splitlines(keepends=True),
+                    fromfile=f"{path} (committed)",
+                    tofile=f"{path} (fresh rendering)",
+                )
+            )
     if drift:
         print(f"error: out of date; run {regenerate} and commit", file=sys.stderr)
         return 1

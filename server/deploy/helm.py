@@ -54,8 +54,10 @@ def model_argument(profile: Profile) -> str | None:
         return None
     if profile.build_tiny_model and profile.device == "cpu":
         return TINY_MODEL_IN_IMAGE
-    raise HelmError(f"{profile.name}: a model folder on this machine cannot reach a Kubernetes pod; "
-                    "name a hub id (`model: org/name`) in the profile")
+    raise HelmError(
+        f"{profile.name}: a model folder on this machine cannot reach a Kubernetes pod; "
+        "name a hub id (`model: org/name`) in the profile"
+    )
 
 
 def engine_values(model: PlannedModel) -> dict[str, Any]:
@@ -70,8 +72,14 @@ def engine_values(model: PlannedModel) -> dict[str, Any]:
         "device": profile.device,
         "replicas": len(model.engines),
         "image": VLLM_GPU_IMAGE if profile.device == "gpu" else VLLM_CPU_IMAGE,
-        "args": engine_argv(profile, host="0.0.0.0", port=SERVICE_PORT, launcher="image",
-                            model=model_argument(profile), kv_events_port=KV_EVENTS_PORT),
+        "args": engine_argv(
+            profile,
+            host="0.0.0.0",
+            port=SERVICE_PORT,
+            launcher="image",
+            model=model_argument(profile),
+            kv_events_port=KV_EVENTS_PORT,
+        ),
         "env": {"HF_HOME": HF_HOME, **profile.env},
         "gpus": gpus,
         "startupSeconds": STARTUP_SECONDS[profile.device],
@@ -96,8 +104,10 @@ def render_values(plan: DeploymentPlan, *, config: Path, shutdown_grace: float) 
         if not model.engines:
             continue
         if any(e["model"] == model.name for e in engines):
-            raise HelmError(f"model {model.name!r} comes from two profile entries; in Kubernetes "
-                            "one Deployment serves it: set `replicas` in its profile instead")
+            raise HelmError(
+                f"model {model.name!r} comes from two profile entries; in Kubernetes "
+                "one Deployment serves it: set `replicas` in its profile instead"
+            )
         engines.append(engine_values(model))
     if not plan.models:
         raise HelmError("the config names no model to serve")
@@ -123,8 +133,9 @@ def render_file(models: Sequence[ModelEngines], *, config: Path, shutdown_grace:
     return header + files.dump(values)
 
 
-def helm_values(models: Sequence[ModelEngines], *, config: Path, shutdown_grace: float,
-                output: Path | None, check: bool) -> int:
+def helm_values(
+    models: Sequence[ModelEngines], *, config: Path, shutdown_grace: float, output: Path | None, check: bool
+) -> int:
     """`python -m server helm-values`: print, write (`output`) or `check` the values file."""
     target = output or Path("charts/values.gpu.yaml")
     try:
@@ -132,5 +143,6 @@ def helm_values(models: Sequence[ModelEngines], *, config: Path, shutdown_grace:
     except HelmError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return files.emit({target: text}, main=target, write=output is not None, check=check,
-                      regenerate="`make helm-values`")
+    return files.emit(
+        {target: text}, main=target, write=output is not None, check=check, regenerate="`make helm-values`"
+    )

@@ -28,8 +28,7 @@ from server.gateway.settings import GatewaySettings, load_settings
 log = logging.getLogger("gateway")
 
 
-def serve(config: Path | None, upstreams: Sequence[str] = (), host: str | None = None,
-          port: int | None = None) -> int:
+def serve(config: Path | None, upstreams: Sequence[str] = (), host: str | None = None, port: int | None = None) -> int:
     """The gateway only, in front of engines that already run."""
     try:
         settings, plan = _load(config, upstreams, host, port)
@@ -64,8 +63,9 @@ def up(config: Path, host: str | None = None, port: int | None = None) -> int:
     return code
 
 
-def _load(config: Path | None, upstreams: Sequence[str], host: str | None,
-          port: int | None) -> tuple[GatewaySettings, DeploymentPlan]:
+def _load(
+    config: Path | None, upstreams: Sequence[str], host: str | None, port: int | None
+) -> tuple[GatewaySettings, DeploymentPlan]:
     settings = load_settings(config) if config else GatewaySettings()
     if upstreams:
         settings.models = [*settings.models, *parse_upstreams(upstreams)]
@@ -93,8 +93,9 @@ async def _up(settings: GatewaySettings, plan: DeploymentPlan) -> int:
 
 async def _start_engines(plan: DeploymentPlan) -> list[EngineSupervisor]:
     """One supervisor per planned engine, started and ready; [] if interrupted."""
-    supervisors = [EngineSupervisor(e.profile, host=e.host, port=e.port, name=f"{e.model}:{e.port}")
-                   for e in plan.engines]
+    supervisors = [
+        EngineSupervisor(e.profile, host=e.host, port=e.port, name=f"{e.model}:{e.port}") for e in plan.engines
+    ]
     if not supervisors:
         return supervisors
     stop = asyncio.Event()
@@ -110,8 +111,7 @@ async def _start_engines(plan: DeploymentPlan) -> list[EngineSupervisor]:
         pending = set(waits)
         try:
             while pending:
-                done, _ = await asyncio.wait({*pending, stopper}, timeout=10.0,
-                                             return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait({*pending, stopper}, timeout=10.0, return_when=asyncio.FIRST_COMPLETED)
                 if stop.is_set():
                     log.info("interrupted while engines were starting")
                     await _stop_engines(supervisors)
@@ -119,11 +119,16 @@ async def _start_engines(plan: DeploymentPlan) -> list[EngineSupervisor]:
                 for task in done:
                     pending.discard(task)
                     supervisor = waits[task]
-                    log.info("engine %s ready at %s in %.1f s", supervisor.name, supervisor.url,
-                             task.result())  # raises EngineStartError if it could not start
+                    log.info(
+                        "engine %s ready at %s in %.1f s", supervisor.name, supervisor.url, task.result()
+                    )  # raises EngineStartError if it could not start
                 if pending:
-                    log.info("waiting for engines: %d/%d ready after %.0f s", len(supervisors) - len(pending),
-                             len(supervisors), time.perf_counter() - started)
+                    log.info(
+                        "waiting for engines: %d/%d ready after %.0f s",
+                        len(supervisors) - len(pending),
+                        len(supervisors),
+                        time.perf_counter() - started,
+                    )
         finally:
             stopper.cancel()
             for task in pending:

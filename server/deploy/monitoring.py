@@ -62,10 +62,12 @@ def alertmanager_config() -> dict[str, Any]:
             "group_interval": "5m",
             "repeat_interval": "4h",
         },
-        "receivers": [{
-            "name": "webhook",
-            "webhook_configs": [{"url": f"${{{WEBHOOK_ENV}:-{WEBHOOK_PLACEHOLDER}}}", "send_resolved": True}],
-        }],
+        "receivers": [
+            {
+                "name": "webhook",
+                "webhook_configs": [{"url": f"${{{WEBHOOK_ENV}:-{WEBHOOK_PLACEHOLDER}}}", "send_resolved": True}],
+            }
+        ],
     }
 
 
@@ -133,8 +135,7 @@ def render_prometheus(plan: DeploymentPlan, *, gateway: str) -> dict[str, Any]:
     return {
         "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": SCRAPE_INTERVAL},
         "rule_files": [RULES_IN_CONTAINER],
-        "alerting": {"alertmanagers": [
-            {"static_configs": [{"targets": [f"alertmanager:{ALERTMANAGER_PORT}"]}]}]},
+        "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"alertmanager:{ALERTMANAGER_PORT}"]}]}]},
         "scrape_configs": [
             {"job_name": "gateway", "static_configs": [{"targets": [gateway]}]},
             {"job_name": "vllm", "static_configs": static_configs},

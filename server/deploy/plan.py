@@ -114,9 +114,15 @@ class DeploymentPlan:
                 out[model.name].kv_events.update(model.kv_events)
                 out[model.name].dns.extend(model.entry.dns)
             else:
-                out[model.name] = ServedModel(model.name, model.urls, model.profile, model.trimming,
-                                              model.kv_events, dns=list(model.entry.dns),
-                                              planned_kv_tokens=model.entry.planned_kv_tokens)
+                out[model.name] = ServedModel(
+                    model.name,
+                    model.urls,
+                    model.profile,
+                    model.trimming,
+                    model.kv_events,
+                    dns=list(model.entry.dns),
+                    planned_kv_tokens=model.entry.planned_kv_tokens,
+                )
         return list(out.values())
 
 
@@ -130,8 +136,9 @@ def slug(model: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-")
 
 
-def plan_deployment(models: Sequence[ModelEngines], *, config: Path | None = None,
-                    placement: Placement = "local") -> DeploymentPlan:
+def plan_deployment(
+    models: Sequence[ModelEngines], *, config: Path | None = None, placement: Placement = "local"
+) -> DeploymentPlan:
     """The plan for a config's `models` (profile paths relative to the file `config`)."""
     planned: list[PlannedModel] = []
     next_port = FIRST_LOCAL_PORT

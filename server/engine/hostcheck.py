@@ -37,8 +37,11 @@ class HostInfo:
         from /proc/cpuinfo, so the refusals can be shown on any host."""
         override = os.environ.get("SERVER_HOST_CPU_FLAGS")
         if override is not None:
-            return cls(machine=platform.machine(), gpu_count=_count_gpus(),
-                       cpu_flags=frozenset(f.strip() for f in override.split(",") if f.strip()))
+            return cls(
+                machine=platform.machine(),
+                gpu_count=_count_gpus(),
+                cpu_flags=frozenset(f.strip() for f in override.split(",") if f.strip()),
+            )
         flags: set[str] = set()
         try:
             for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -87,11 +90,12 @@ def check_profile(profile: Profile, host: HostInfo | None = None) -> list[str]:
     else:
         gpus_needed = profile.tensor_parallel_size * profile.pipeline_parallel_size
         if host.gpu_count == 0:
-            problems.append("this is a GPU profile (device: gpu) and this host has no NVIDIA GPU "
-                            "(nvidia-smi finds none); use a CPU profile such as tiny-cpu")
+            problems.append(
+                "this is a GPU profile (device: gpu) and this host has no NVIDIA GPU "
+                "(nvidia-smi finds none); use a CPU profile such as tiny-cpu"
+            )
         elif host.gpu_count < gpus_needed:
-            problems.append(f"tensor x pipeline parallel size is {gpus_needed} GPUs; this host has "
-                            f"{host.gpu_count}")
+            problems.append(f"tensor x pipeline parallel size is {gpus_needed} GPUs; this host has {host.gpu_count}")
 
     problems += check_parsers(profile)
 
@@ -105,8 +109,9 @@ def check_profile(profile: Profile, host: HostInfo | None = None) -> list[str]:
         return problems  # a hub model without a shipped config: nothing more to check offline
     limit = model_max_len(config)
     if profile.max_model_len and limit and profile.max_model_len > limit:
-        problems.append(f"max-model-len {profile.max_model_len} is above the model's limit of "
-                        f"{limit} tokens ({config_path})")
+        problems.append(
+            f"max-model-len {profile.max_model_len} is above the model's limit of {limit} tokens ({config_path})"
+        )
     try:
         plan = plan_profile(profile, config=config)
     except PlanError:
@@ -177,8 +182,7 @@ def _dict_keys(tree: ast.Module, variable: str) -> frozenset[str]:
         else:
             continue
         if any(isinstance(t, ast.Name) and t.id == variable for t in targets) and isinstance(value, ast.Dict):
-            return frozenset(k.value for k in value.keys
-                             if isinstance(k, ast.Constant) and isinstance(k.value, str))
+            return frozenset(k.value for k in value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str))
     return frozenset()
 
 
@@ -187,8 +191,11 @@ def plugin_parser_names(plugin: Path) -> frozenset[str]:
     `register_module(...)` or `register_lazy_module(...)` (as decorator or call)."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(plugin.read_text())):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and node.func.attr in {"register_module", "register_lazy_module"}):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in {"register_module", "register_lazy_module"}
+        ):
             continue
         given = [kw.value for kw in node.keywords if kw.arg == "name"] or node.args[:1]
         for value in given:
@@ -204,8 +211,10 @@ def check_parsers(profile: Profile, names: ParserNames | None = None) -> list[st
     flags = profile.vllm
     problems: list[str] = []
     if flags.get("enable-auto-tool-choice") is True and not flags.get("tool-call-parser"):
-        problems.append("enable-auto-tool-choice needs tool-call-parser (the parser that reads "
-                        "the model's tool calls, e.g. hermes, llama3_json, mistral)")
+        problems.append(
+            "enable-auto-tool-choice needs tool-call-parser (the parser that reads "
+            "the model's tool calls, e.g. hermes, llama3_json, mistral)"
+        )
     names = names if names is not None else installed_parser_names()
     for kind, flag in (("tool", "tool-call-parser"), ("reasoning", "reasoning-parser")):
         value = flags.get(flag)
@@ -228,8 +237,10 @@ def check_parsers(profile: Profile, names: ParserNames | None = None) -> list[st
                 problems.append(f"{kind}-parser-plugin {plugin} cannot be read ({exc})")
                 continue
         if value not in known:
-            problems.append(f"{flag} {value!r} is not a {kind} parser the installed vLLM knows; "
-                            "valid names: " + ", ".join(sorted(known)))
+            problems.append(
+                f"{flag} {value!r} is not a {kind} parser the installed vLLM knows; "
+                "valid names: " + ", ".join(sorted(known))
+            )
     return problems
 
 

@@ -85,9 +85,15 @@ def kv_layout(config: dict[str, Any], kv_cache_dtype: str = "auto", dtype: str |
         k_dim = int(cfg.get("qk_nope_head_dim") or 0) + int(cfg.get("qk_rope_head_dim") or 0)
         v_dim = int(cfg.get("v_head_dim") or k_dim)
         return KvLayout(
-            attention="mla", layers=layers, kv_heads=0, head_dim=latent, dtype_bytes=nbytes,
+            attention="mla",
+            layers=layers,
+            kv_heads=0,
+            head_dim=latent,
+            dtype_bytes=nbytes,
             bytes_per_token=layers * latent * nbytes,
-            full_attention_layers=layers, sliding_window_layers=0, sliding_window=None,
+            full_attention_layers=layers,
+            sliding_window_layers=0,
+            sliding_window=None,
             textbook_bytes_per_token=layers * heads * (k_dim + v_dim) * nbytes,
         )
 
@@ -95,9 +101,15 @@ def kv_layout(config: dict[str, Any], kv_cache_dtype: str = "auto", dtype: str |
     attention = "mha" if kv_heads == heads else ("mqa" if kv_heads == 1 else "gqa")
     window, sliding = sliding_layers(cfg, layers)
     return KvLayout(
-        attention=attention, layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=nbytes,
+        attention=attention,
+        layers=layers,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype_bytes=nbytes,
         bytes_per_token=2 * layers * kv_heads * head_dim * nbytes,
-        full_attention_layers=layers - sliding, sliding_window_layers=sliding, sliding_window=window,
+        full_attention_layers=layers - sliding,
+        sliding_window_layers=sliding,
+        sliding_window=window,
         textbook_bytes_per_token=2 * layers * heads * head_dim * nbytes,
     )
 
@@ -143,9 +155,12 @@ def estimate_weight_bytes(config: dict[str, Any], dtype: str | None = None) -> i
         v_dim = int(cfg.get("v_head_dim", 128))
         q_proj = hidden * q_rank + q_rank * heads * qk if q_rank else hidden * heads * qk
         kv_rank = int(cfg["kv_lora_rank"])
-        attn = (q_proj + hidden * (kv_rank + int(cfg.get("qk_rope_head_dim", 64)))
-                + kv_rank * heads * (int(cfg.get("qk_nope_head_dim", 128)) + v_dim)
-                + heads * v_dim * hidden)
+        attn = (
+            q_proj
+            + hidden * (kv_rank + int(cfg.get("qk_rope_head_dim", 64)))
+            + kv_rank * heads * (int(cfg.get("qk_nope_head_dim", 128)) + v_dim)
+            + heads * v_dim * hidden
+        )
     else:
         attn = hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden
     dense_mlp = 3 * hidden * int(cfg.get("intermediate_size") or 4 * hidden)
@@ -169,8 +184,7 @@ def parse_size(text: str) -> int:
         raise PlanError(f"cannot read the size {text!r}; write e.g. 80GiB or 24GB")
     number = float(match.group(1))
     unit = (match.group(2) or "").upper().rstrip("B")
-    scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
-             "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
+    scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
     return int(number * scale)
 
 
@@ -239,13 +253,13 @@ def load_model_config(profile: Profile) -> tuple[dict[str, Any], Path]:
 
         return {"model_type": "llama", "torch_dtype": "bfloat16", **MODEL_SHAPE}, profile.model_path / "config.json"
     raise PlanError(
-        f"no config.json for {profile.model}: looked at " + ", ".join(str(c) for c in candidates)
+        f"no config.json for {profile.model}: looked at "
+        + ", ".join(str(c) for c in candidates)
         + (" (build the tiny model first: python -m server tiny-model)" if profile.build_tiny_model else "")
     )
 
 
-def plan_profile(profile: Profile, device_memory: int | None = None,
-                 config: dict[str, Any] | None = None) -> Plan:
+def plan_profile(profile: Profile, device_memory: int | None = None, config: dict[str, Any] | None = None) -> Plan:
     """The KV-cache plan of one engine of `profile`."""
     if config is None:
         config, _ = load_model_config(profile)
@@ -258,8 +272,10 @@ def plan_profile(profile: Profile, device_memory: int | None = None,
     if profile.device == "cpu":
         kv_memory = profile.cpu_kv_cache_bytes
         if kv_memory is None:
-            raise PlanError("a CPU profile needs env.VLLM_CPU_KVCACHE_SPACE (GiB) to plan with; "
-                            "without it vLLM sizes the cache from free RAM at start-up")
+            raise PlanError(
+                "a CPU profile needs env.VLLM_CPU_KVCACHE_SPACE (GiB) to plan with; "
+                "without it vLLM sizes the cache from free RAM at start-up"
+            )
         source = f"VLLM_CPU_KVCACHE_SPACE={profile.env['VLLM_CPU_KVCACHE_SPACE']} GiB"
     else:
         explicit = profile.vllm.get("kv-cache-memory-bytes")
@@ -272,28 +288,43 @@ def plan_profile(profile: Profile, device_memory: int | None = None,
         else:
             per_gpu = device_memory * profile.gpu_memory_utilization - weights / gpus - GPU_OVERHEAD_BYTES
             kv_memory = int(max(per_gpu, 0) * gpus)
-            source = (f"{gpus} GPU x ({device_memory / GiB:.0f} GiB x {profile.gpu_memory_utilization}"
-                      f" - weights {weights / gpus / GiB:.1f} GiB - overhead {GPU_OVERHEAD_BYTES / GiB:.1f} GiB)")
+            source = (
+                f"{gpus} GPU x ({device_memory / GiB:.0f} GiB x {profile.gpu_memory_utilization}"
+                f" - weights {weights / gpus / GiB:.1f} GiB - overhead {GPU_OVERHEAD_BYTES / GiB:.1f} GiB)"
+            )
     blocks, tokens, sequences = capacity(layout, kv_memory, profile.block_size, max_len)
     min_tp = None
     if profile.device != "cpu" and device_memory is not None and sequences < 1:
         min_tp = smallest_tensor_parallel(layout, profile, device_memory, weights or 0, max_len)
     return Plan(
-        profile=profile.name, model=profile.model, attention=layout.attention,
-        kv_cache_dtype=profile.kv_cache_dtype, kv_bytes_per_token=layout.bytes_per_token,
+        profile=profile.name,
+        model=profile.model,
+        attention=layout.attention,
+        kv_cache_dtype=profile.kv_cache_dtype,
+        kv_bytes_per_token=layout.bytes_per_token,
         textbook_kv_bytes_per_token=layout.textbook_bytes_per_token,
-        block_size=profile.block_size, bytes_per_block=layout.bytes_per_token * profile.block_size,
-        kv_memory_bytes=kv_memory, kv_memory_source=source, num_blocks=blocks,
-        kv_cache_tokens=tokens, max_model_len=max_len,
+        block_size=profile.block_size,
+        bytes_per_block=layout.bytes_per_token * profile.block_size,
+        kv_memory_bytes=kv_memory,
+        kv_memory_source=source,
+        num_blocks=blocks,
+        kv_cache_tokens=tokens,
+        max_model_len=max_len,
         blocks_per_sequence=blocks_per_sequence(layout, profile.block_size, max_len),
-        max_concurrent_sequences=sequences, sliding_window=layout.sliding_window,
-        sliding_window_layers=layout.sliding_window_layers, weights_bytes=weights,
-        min_tensor_parallel_size=min_tp, layers=layout.layers, kv_heads=layout.kv_heads, head_dim=layout.head_dim,
+        max_concurrent_sequences=sequences,
+        sliding_window=layout.sliding_window,
+        sliding_window_layers=layout.sliding_window_layers,
+        weights_bytes=weights,
+        min_tensor_parallel_size=min_tp,
+        layers=layout.layers,
+        kv_heads=layout.kv_heads,
+        head_dim=layout.head_dim,
     )
 
 
-def smallest_tensor_parallel(layout: KvLayout, profile: Profile, device_memory: int, weights: int,
-                             max_len: int, limit: int = 64) -> int | None:
+def smallest_tensor_parallel(
+    layout: KvLayout, profile: Profile, device_memory: int, weights: int, max_len: int, limit: int = 64
+) -> int | None:
     """The smallest tensor-parallel size (pipeline size as in the profile) whose KV cache holds one
     sequence of `max_len` tokens, or None if even `limit` GPUs do not."""
     for tp in range(1, limit + 1):
@@ -315,9 +346,12 @@ def format_plan(plan: Plan) -> str:
         f"attention          {plan.attention.upper()}: {plan.layers} layers x {heads} x {plan.head_dim} dims, "
         f"kv-cache-dtype {plan.kv_cache_dtype}",
         f"KV bytes per token {plan.kv_bytes_per_token:,} B"
-        + (f" (all-heads textbook formula: {plan.textbook_kv_bytes_per_token:,} B, "
-           f"{plan.textbook_kv_bytes_per_token / plan.kv_bytes_per_token:.0f}x more)"
-           if plan.textbook_kv_bytes_per_token != plan.kv_bytes_per_token else ""),
+        + (
+            f" (all-heads textbook formula: {plan.textbook_kv_bytes_per_token:,} B, "
+            f"{plan.textbook_kv_bytes_per_token / plan.kv_bytes_per_token:.0f}x more)"
+            if plan.textbook_kv_bytes_per_token != plan.kv_bytes_per_token
+            else ""
+        ),
         f"block              {plan.block_size} tokens = {size(plan.bytes_per_block)}",
         f"KV memory          {size(plan.kv_memory_bytes)} ({plan.kv_memory_source})",
         f"capacity           {plan.num_blocks:,} blocks = {plan.kv_cache_tokens:,} tokens",
@@ -325,14 +359,20 @@ def format_plan(plan: Plan) -> str:
         f"concurrent seqs    {plan.max_concurrent_sequences:,} at full max-model-len",
     ]
     if plan.sliding_window:
-        lines.append(f"sliding window     {plan.sliding_window_layers} layers hold at most "
-                     f"{plan.sliding_window:,} tokens")
+        lines.append(
+            f"sliding window     {plan.sliding_window_layers} layers hold at most {plan.sliding_window:,} tokens"
+        )
     if plan.weights_bytes is not None:
         lines.append(f"weights (est.)     {size(plan.weights_bytes)}")
     if plan.max_concurrent_sequences < 1:
-        lines.append(f"does not fit       not one sequence of {plan.max_model_len:,} tokens: "
-                     + (f"needs tensor-parallel-size >= {plan.min_tensor_parallel_size}"
-                        if plan.min_tensor_parallel_size else "more GPUs than 64, or a lower max-model-len"))
+        lines.append(
+            f"does not fit       not one sequence of {plan.max_model_len:,} tokens: "
+            + (
+                f"needs tensor-parallel-size >= {plan.min_tensor_parallel_size}"
+                if plan.min_tensor_parallel_size
+                else "more GPUs than 64, or a lower max-model-len"
+            )
+        )
     return "\n".join(lines)
 
 

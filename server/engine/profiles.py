@@ -18,7 +18,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 # vLLM options we understand well enough to check and plan with. Anything else passes through.
 KNOWN_KV_CACHE_DTYPES = {
-    "auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla",
+    "auto",
+    "float16",
+    "bfloat16",
+    "fp8",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "fp8_inc",
+    "fp8_ds_mla",
 }
 FP8_KV_CACHE_DTYPES = {"fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla"}
 # Flags the engine launcher owns: a profile must not set them (they would fight the supervisor).
@@ -129,8 +136,7 @@ class Profile(BaseModel):
             if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", key):
                 hint = key.replace("_", "-").lstrip("-")
                 raise ValueError(
-                    f"vllm.{key}: expected vLLM's long flag name without dashes in front, "
-                    f"such as {hint!r}"
+                    f"vllm.{key}: expected vLLM's long flag name without dashes in front, such as {hint!r}"
                 )
             if key in RESERVED_VLLM_FLAGS:
                 raise ValueError(
@@ -143,12 +149,18 @@ class Profile(BaseModel):
         _expect(value, "tensor-parallel-size", int, lambda v: v > 0, "a positive integer")
         _expect(value, "pipeline-parallel-size", int, lambda v: v > 0, "a positive integer")
         _expect(
-            value, "gpu-memory-utilization", (int, float), lambda v: 0 < v <= 1,
+            value,
+            "gpu-memory-utilization",
+            (int, float),
+            lambda v: 0 < v <= 1,
             "a fraction in (0, 1]",
         )
         _expect(value, "enable-prefix-caching", bool, lambda v: True, "true or false")
         _expect(
-            value, "kv-cache-dtype", str, lambda v: v in KNOWN_KV_CACHE_DTYPES,
+            value,
+            "kv-cache-dtype",
+            str,
+            lambda v: v in KNOWN_KV_CACHE_DTYPES,
             "one of " + ", ".join(sorted(KNOWN_KV_CACHE_DTYPES)),
         )
         return value

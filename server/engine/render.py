@@ -45,8 +45,9 @@ def kv_events_options(profile: Profile, port: int | None) -> dict[str, Any]:
     if not profile.kv_events:
         return {}
     endpoint = f"tcp://*:{port if port is not None else KV_EVENTS_PORT}"
-    return {"kv-events-config": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
-                                 "topic": "kv"}}
+    return {
+        "kv-events-config": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
+    }
 
 
 def model_argument(profile: Profile) -> str:
@@ -139,8 +140,7 @@ def engine_config(
     profile: Profile, *, host: str | None = None, port: int | None = None, kv_events_port: int | None = None
 ) -> dict[str, Any]:
     """A mapping for `vllm serve --config FILE` (long option names as keys)."""
-    config: dict[str, Any] = {"model": model_argument(profile),
-                              "served-model-name": profile.served_model_name}
+    config: dict[str, Any] = {"model": model_argument(profile), "served-model-name": profile.served_model_name}
     if host is not None:
         config["host"] = host
     if port is not None:
@@ -164,8 +164,14 @@ def render_yaml(config: dict[str, Any]) -> str:
     return yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
 
 
-def command_text(profile: Profile, *, format: Literal["shell", "argv", "yaml"] = "shell",
-                 host: str = "127.0.0.1", port: int = 8000, launcher: Launcher = "module") -> str:
+def command_text(
+    profile: Profile,
+    *,
+    format: Literal["shell", "argv", "yaml"] = "shell",
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    launcher: Launcher = "module",
+) -> str:
     """What `python -m server engine-args` prints: a pasteable command with its environment
     (shell), one argument a line (argv), or a file for `vllm serve --config` (yaml)."""
     if format == "yaml":

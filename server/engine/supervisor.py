@@ -59,9 +59,18 @@ def with_drain(argv: list[str], profile: Profile) -> list[str]:
 class EngineSupervisor:
     """Start, watch, restart and stop one vLLM engine of a profile."""
 
-    def __init__(self, profile: Profile, *, host: str = "127.0.0.1", port: int, name: str | None = None,
-                 max_restarts: int = 5, ready_timeout: float = 600.0,
-                 health_interval: float = 2.0, argv: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        profile: Profile,
+        *,
+        host: str = "127.0.0.1",
+        port: int,
+        name: str | None = None,
+        max_restarts: int = 5,
+        ready_timeout: float = 600.0,
+        health_interval: float = 2.0,
+        argv: list[str] | None = None,
+    ) -> None:
         self.profile = profile
         self.host = host
         self.port = port
@@ -97,9 +106,13 @@ class EngineSupervisor:
         self._started_at = time.perf_counter()
         log.info("[engine %s] starting: %s", self.name, render_shell(self.argv, self.profile.env))
         self._process = await asyncio.create_subprocess_exec(
-            *self.argv, env=self.env, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True, preexec_fn=_die_with_parent,
+            *self.argv,
+            env=self.env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
 
     async def _watch(self) -> None:
@@ -124,12 +137,21 @@ class EngineSupervisor:
             ran_for = time.perf_counter() - self._started_at
             crashes = 1 if self._ready.is_set() and ran_for > STABLE_AFTER_S else crashes + 1
             if crashes > self.max_restarts:
-                self._fail(f"engine {self.name} exited with code {code} {crashes} times in a row; "
-                           "giving up. Last log lines:\n" + "\n".join(self.last_lines))
+                self._fail(
+                    f"engine {self.name} exited with code {code} {crashes} times in a row; "
+                    "giving up. Last log lines:\n" + "\n".join(self.last_lines)
+                )
                 return
             delay = min(2.0 ** (crashes - 1), 30.0)
-            log.warning("[engine %s] exited with code %s after %.1f s; restart %d/%d in %.0f s",
-                        self.name, code, ran_for, crashes, self.max_restarts, delay)
+            log.warning(
+                "[engine %s] exited with code %s after %.1f s; restart %d/%d in %.0f s",
+                self.name,
+                code,
+                ran_for,
+                crashes,
+                self.max_restarts,
+                delay,
+            )
             await asyncio.sleep(delay)
             if self._stopping:
                 return
@@ -156,15 +178,15 @@ class EngineSupervisor:
                 try:
                     if (await client.get(f"{self.url}/health")).status_code == 200:
                         self._ready_at = time.perf_counter()
-                        log.info("[engine %s] ready at %s in %.1f s", self.name, self.url,
-                                 self._ready_at - self._started_at)
+                        log.info(
+                            "[engine %s] ready at %s in %.1f s", self.name, self.url, self._ready_at - self._started_at
+                        )
                         self._ready.set()
                         return
                 except httpx.HTTPError:
                     pass
                 if time.perf_counter() > deadline:
-                    self._fail(f"engine {self.name} did not answer /health within "
-                               f"{self.ready_timeout:.0f} s")
+                    self._fail(f"engine {self.name} did not answer /health within {self.ready_timeout:.0f} s")
                     return
                 await asyncio.sleep(0.5)
 
@@ -195,8 +217,7 @@ class EngineSupervisor:
                     break
                 await asyncio.sleep(0.05)
             else:
-                log.error("[engine %s] processes %s outlived SIGKILL", self.name,
-                          group_members(process.pid))
+                log.error("[engine %s] processes %s outlived SIGKILL", self.name, group_members(process.pid))
         if self._monitor is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._monitor
@@ -206,7 +227,7 @@ class EngineSupervisor:
 async def wait_exit(process: asyncio.subprocess.Process) -> int:
     """The leader's exit code. Not `process.wait()`: asyncio's waits for the log pipe to close
     too, and a grandchild that inherited the pipe keeps it open after the leader died."""
-    while process.returncode is None:
+    while process.returncode is None:  # noqa: ASYNC110 - nothing to wait on but the return code
         await asyncio.sleep(0.1)
     return process.returncode
 
@@ -250,13 +271,15 @@ def prepare(profile: Profile) -> None:
         if adapter.build_tiny:
             from server.engine.tinyadapter import build_tiny_adapter
 
-            build_tiny_adapter(adapter.resolved_path(profile.source), base_model=profile.served_model_name,
-                               log=lambda msg: log.info("[tiny-lora] %s", msg))
+            build_tiny_adapter(
+                adapter.resolved_path(profile.source),
+                base_model=profile.served_model_name,
+                log=lambda msg: log.info("[tiny-lora] %s", msg),
+            )
 
 
 async def run_engine(profile: Profile, host: str, port: int, max_restarts: int, ready_timeout: float) -> int:
-    supervisor = EngineSupervisor(profile, host=host, port=port, max_restarts=max_restarts,
-                                  ready_timeout=ready_timeout)
+    supervisor = EngineSupervisor(profile, host=host, port=port, max_restarts=max_restarts, ready_timeout=ready_timeout)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -269,8 +292,11 @@ async def run_engine(profile: Profile, host: str, port: int, max_restarts: int, 
     if ready.done():
         try:
             seconds = ready.result()
-            print(f"engine {supervisor.name} ready: {supervisor.url}/v1 (model {profile.served_model_name}, "
-                  f"started in {seconds:.1f} s)", flush=True)
+            print(
+                f"engine {supervisor.name} ready: {supervisor.url}/v1 (model {profile.served_model_name}, "
+                f"started in {seconds:.1f} s)",
+                flush=True,
+            )
         except EngineStartError as exc:
             print(f"error: {exc}", file=sys.stderr)
             code = 1
@@ -288,8 +314,7 @@ async def run_engine(profile: Profile, host: str, port: int, max_restarts: int, 
 
 def run_command(profile_name: str, *, host: str, port: int, max_restarts: int, ready_timeout: float) -> int:
     """`python -m server engine`: run one engine until SIGINT/SIGTERM (exit 1 if it cannot start)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     profile = load_profile(resolve_profile_path(profile_name))
     try:
         prepare(profile)

@@ -35,10 +35,19 @@ def _shapes() -> dict[str, tuple[int, int]]:
 
 def adapter_config(base_model: str) -> dict[str, object]:
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-        "r": RANK, "lora_alpha": ALPHA, "lora_dropout": 0.0, "target_modules": list(TARGETS),
-        "bias": "none", "fan_in_fan_out": False, "modules_to_save": None, "use_rslora": False,
-        "use_dora": False, "inference_mode": True,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": RANK,
+        "lora_alpha": ALPHA,
+        "lora_dropout": 0.0,
+        "target_modules": list(TARGETS),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+        "inference_mode": True,
     }
 
 
@@ -47,8 +56,9 @@ def is_built(directory: str | Path) -> bool:
     return (directory / "adapter_config.json").exists() and (directory / "adapter_model.safetensors").exists()
 
 
-def build_tiny_adapter(directory: str | Path, *, base_model: str = "tiny", force: bool = False,
-                       log: Callable[[str], object] = print) -> Path:
+def build_tiny_adapter(
+    directory: str | Path, *, base_model: str = "tiny", force: bool = False, log: Callable[[str], object] = print
+) -> Path:
     """Write the adapter to `directory` (skipped when one is there); the same bytes every time."""
     directory = Path(directory)
     if is_built(directory) and not force:

@@ -51,7 +51,8 @@ CHAT_TEMPLATE = (
 )
 
 # Text the tokenizer learns its merges from: travel planning, the seed's use case.
-CORPUS = """\
+CORPUS = (
+    """\
 Plan a three day trip to Lisbon with museums, food markets and a day trip to Sintra.
 The itinerary starts at the hotel, visits the castle in the morning and the river in the evening.
 Points of interest: opening hours, ticket prices, distance from the station, accessibility.
@@ -60,7 +61,9 @@ Write an article about the history of the railway, the old bridge and the harbou
 The user asked for vegetarian restaurants near the cathedral and a quiet place to read.
 Tool results arrive as JSON: {"name": "search_places", "results": [{"id": 1, "rating": 4.5}]}.
 Numbers and times: 09:30, 12:45, 18:00, 2 km, 15 minutes, 3 stops, 120 euros, 4.7 stars.
-""" * 4
+"""
+    * 4
+)
 
 
 def is_current(directory: str | Path) -> bool:
@@ -149,10 +152,8 @@ def build_tiny_model(directory: str | Path, *, force: bool = False, log: Callabl
 def build_command(directory: Path, *, force: bool = False) -> int:
     """`python -m server tiny-model`: build it (exit 1 without torch and transformers)."""
     try:
-        build_tiny_model(directory, force=force,
-                         log=lambda msg: print(f"[tiny-model] {msg}", file=sys.stderr))
+        build_tiny_model(directory, force=force, log=lambda msg: print(f"[tiny-model] {msg}", file=sys.stderr))
     except ImportError as exc:
-        print(f"tiny-model: needs torch and transformers ({exc}); run `make install`",
-              file=sys.stderr)
+        print(f"tiny-model: needs torch and transformers ({exc}); run `make install`", file=sys.stderr)
         return 1
     return 0

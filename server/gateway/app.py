@@ -45,9 +45,11 @@ def new_http_client(settings: GatewaySettings, transport: httpx.AsyncBaseTranspo
     """The client for traffic to engines besides the proxied requests themselves (/tokenize)."""
     t = settings.timeouts
     return httpx.AsyncClient(
-        transport=transport, headers={"accept-encoding": "identity"},
-        timeout=httpx.Timeout(connect=t.connect, read=max(t.first_byte, t.idle) + 5.0,
-                              write=max(t.connect, 10.0), pool=t.first_byte),
+        transport=transport,
+        headers={"accept-encoding": "identity"},
+        timeout=httpx.Timeout(
+            connect=t.connect, read=max(t.first_byte, t.idle) + 5.0, write=max(t.connect, 10.0), pool=t.first_byte
+        ),
         trust_env=False,
         follow_redirects=False,
     )
@@ -68,11 +70,16 @@ def kv_event_endpoints(upstreams: EnginePool, models: Sequence[ServedModel]) -> 
     return {engine.id: by_url[engine.url] for engine in upstreams.engines() if engine.url in by_url}
 
 
-def create_app(settings: GatewaySettings, models: Sequence[ServedModel], *,
-               http_client: httpx.AsyncClient | None = None,
-               registry: CollectorRegistry | None = None, metrics: Any = None,
-               log_request: Callable[..., None] | None = default_log_request,
-               environ: Mapping[str, str] | None = None) -> Gateway:
+def create_app(
+    settings: GatewaySettings,
+    models: Sequence[ServedModel],
+    *,
+    http_client: httpx.AsyncClient | None = None,
+    registry: CollectorRegistry | None = None,
+    metrics: Any = None,
+    log_request: Callable[..., None] | None = default_log_request,
+    environ: Mapping[str, str] | None = None,
+) -> Gateway:
     """The OpenAI-compatible gateway for `settings` in front of `models`' engines (see edge.router)."""
     metrics = metrics if metrics is not None else GatewayMetrics(registry)
     owns_client = http_client is None
@@ -85,12 +92,19 @@ def create_app(settings: GatewaySettings, models: Sequence[ServedModel], *,
     else:
         client, upstream = http_client, ClientUpstream(http_client)
     routing = settings.routing
-    cache = CacheState(approximate=ApproximateIndex(ttl=routing.approximate_ttl),
-                       precise=PreciseIndex(speculative_ttl=routing.speculative_ttl),
-                       tokenize=EngineTokenizer(client, routing.tokenize_timeout), block_chars=routing.block_chars)
+    cache = CacheState(
+        approximate=ApproximateIndex(ttl=routing.approximate_ttl),
+        precise=PreciseIndex(speculative_ttl=routing.speculative_ttl),
+        tokenize=EngineTokenizer(client, routing.tokenize_timeout),
+        block_chars=routing.block_chars,
+    )
     upstreams = EnginePool.from_models(models, cache=cache)
-    kv_events = KvEventSubscriber(cache.precise, kv_event_endpoints(upstreams, models)
-                                  if routing.policy == "cache_aware" and routing.prefix_index == "precise" else {})
+    kv_events = KvEventSubscriber(
+        cache.precise,
+        kv_event_endpoints(upstreams, models)
+        if routing.policy == "cache_aware" and routing.prefix_index == "precise"
+        else {},
+    )
     ops_client = _ops_client(settings)
     keys = load_api_keys(settings.auth, environ, base=settings.source.parent if settings.source else None)
 
@@ -106,12 +120,18 @@ def create_app(settings: GatewaySettings, models: Sequence[ServedModel], *,
         await health.check(engine)
         scraper.add(engine)
 
-    discovery = EngineDiscovery(upstreams, models, DnsLookup(settings.discovery.nameservers,
-                                                             timeout=settings.discovery.timeout),
-                                interval=settings.discovery.interval, join=engine_found, leave=engine_left,
-                                planned_kv_tokens=lambda m: planned_kv_tokens(m.profile) if m.profile else None)
-    metrics.registry.register(KvEventsCollector(cache.precise, {e.id: e.model for e in upstreams.engines()
-                                                                if e.id in kv_events.endpoints}))
+    discovery = EngineDiscovery(
+        upstreams,
+        models,
+        DnsLookup(settings.discovery.nameservers, timeout=settings.discovery.timeout),
+        interval=settings.discovery.interval,
+        join=engine_found,
+        leave=engine_left,
+        planned_kv_tokens=lambda m: planned_kv_tokens(m.profile) if m.profile else None,
+    )
+    metrics.registry.register(
+        KvEventsCollector(cache.precise, {e.id: e.model for e in upstreams.engines() if e.id in kv_events.endpoints})
+    )
     timeout = httpx.Timeout(settings.timeouts.first_byte, connect=settings.timeouts.connect)
     trimming = HistoryTrimming(lookup=make_lookup(upstreams, client, settings.routing, timeout), metrics=metrics)
 
@@ -138,8 +158,11 @@ def create_app(settings: GatewaySettings, models: Sequence[ServedModel], *,
         proxy=proxy,
         reporter=RequestReporter(metrics, log_request),
         steps=[trimming],
-        keys=keys, protect_ops=settings.auth.protect_ops_endpoints,
+        keys=keys,
+        protect_ops=settings.auth.protect_ops_endpoints,
         max_body_bytes=settings.limits.max_body_bytes,
-        admin_keys=load_admin_keys(settings.auth, environ), max_upload_bytes=settings.limits.max_upload_bytes,
-        startup=startup, shutdown=shutdown,
+        admin_keys=load_admin_keys(settings.auth, environ),
+        max_upload_bytes=settings.limits.max_upload_bytes,
+        startup=startup,
+        shutdown=shutdown,
     )

@@ -46,8 +46,14 @@ class GatewayError(Exception):
     type = "server_error"
     code: str | None = "internal_error"
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Iterable[tuple[bytes, bytes]] = (),
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
@@ -56,8 +62,7 @@ class GatewayError(Exception):
         self.headers = list(headers)
 
     def envelope(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class InvalidRequest(GatewayError):
@@ -147,11 +152,25 @@ def error_body(exc: GatewayError) -> bytes:
     return json.dumps(exc.envelope()).encode()
 
 
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
-          404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
-          422: "invalid_request_error", 429: "rate_limit_error"}
-_CODES = {401: "invalid_api_key", 403: "permission_denied", 404: "not_found", 405: "method_not_allowed",
-          413: "request_too_large", 422: "invalid_request", 429: "rate_limit_exceeded"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+_CODES = {
+    401: "invalid_api_key",
+    403: "permission_denied",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    422: "invalid_request",
+    429: "rate_limit_exceeded",
+}
 
 
 def engine_error_body(status: int, content: bytes) -> bytes | None:
@@ -169,9 +188,14 @@ def engine_error_body(status: int, content: bytes) -> bytes | None:
         message = payload.get("detail", payload.get("error", message))
     if not isinstance(message, str):
         message = json.dumps(message)
-    envelope = {"error": {"message": message or f"The engine answered {status}.",
-                          "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
-                          "param": None, "code": _CODES.get(status, "upstream_error" if status >= 500 else None)}}
+    envelope = {
+        "error": {
+            "message": message or f"The engine answered {status}.",
+            "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+            "param": None,
+            "code": _CODES.get(status, "upstream_error" if status >= 500 else None),
+        }
+    }
     return json.dumps(envelope).encode()
 
 
@@ -183,7 +207,11 @@ def stream_error_event(exc: GatewayError) -> bytes:
 async def send_error(send: Send, exc: GatewayError, headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
     """Answer with `exc` as a complete JSON response (the response must not have started)."""
     body = error_body(exc)
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               *exc.headers, *headers]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        *exc.headers,
+        *headers,
+    ]
     await send({"type": "http.response.start", "status": exc.status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})

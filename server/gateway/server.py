@@ -60,18 +60,28 @@ class GatewayServer(uvicorn.Server):
             self.force_exit = True
         else:
             if not self.should_exit:
-                log.info("shutting down: finishing in-flight requests (up to %g s)",
-                         self.config.timeout_graceful_shutdown or 0)
+                log.info(
+                    "shutting down: finishing in-flight requests (up to %g s)",
+                    self.config.timeout_graceful_shutdown or 0,
+                )
             self.should_exit = True
 
 
 def uvicorn_config(app: Any, settings: GatewaySettings) -> uvicorn.Config:
     return uvicorn.Config(
-        app, host=settings.host, port=settings.port, loop="uvloop", http=protocol_for(settings), lifespan="on",
+        app,
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http=protocol_for(settings),
+        lifespan="on",
         backlog=2048,
         # uvicorn hints an int but waits with asyncio, so a fraction of a second works (tests use it).
         timeout_graceful_shutdown=settings.limits.shutdown_grace,  # type: ignore[arg-type]
-        timeout_keep_alive=30, access_log=False, log_config=None, proxy_headers=False,
+        timeout_keep_alive=30,
+        access_log=False,
+        log_config=None,
+        proxy_headers=False,
     )
 
 
@@ -86,8 +96,7 @@ async def serve_gateway(settings: GatewaySettings, models: Sequence[ServedModel]
     # for tens of milliseconds now and then.
     gc.collect()
     gc.freeze()
-    served = ", ".join(f"{model.name} ({len(model.urls)} engine{'s' * (len(model.urls) != 1)})"
-                       for model in models)
+    served = ", ".join(f"{model.name} ({len(model.urls)} engine{'s' * (len(model.urls) != 1)})" for model in models)
     log.info("gateway on http://%s:%d/v1 serving %s", settings.host, settings.port, served or "no models")
     await server.serve()
 

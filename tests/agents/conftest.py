@@ -40,6 +40,7 @@ class AgentGateway:
 def closing_client_on_shutdown(app: Any, client: httpx.AsyncClient) -> Any:
     """The app, closing the injected client in the server's own loop when it shuts down (the
     gateway closes only the clients it made)."""
+
     async def wrapped(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "lifespan":
             return await app(scope, receive, send)
@@ -65,8 +66,10 @@ def agent_gateway(real_engine) -> Iterator[AgentGateway]:
     profile = real_engine.profile
     assert profile.trimming.mode == "auto"
     models = [ServedModel(real_engine.model, [real_engine.url], profile, trimming=profile.trimming)]
-    client = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0),  # nothing left open
-                               event_hooks={"request": [record]})
+    client = httpx.AsyncClient(
+        limits=httpx.Limits(max_keepalive_connections=0),  # nothing left open
+        event_hooks={"request": [record]},
+    )
     app = create_app(GatewaySettings(), models, http_client=client, registry=CollectorRegistry())
     with serve_in_thread(closing_client_on_shutdown(app, client)) as url:
         gateway.url = url

@@ -60,7 +60,7 @@ def test_a_30_turn_agent_runs_through_the_gateway_with_trimming(agent_gateway, r
         messages = body["messages"]
         assert messages[0] == history[0]
         kept = messages[1:]
-        assert kept == history[step.sent_messages - len(kept):step.sent_messages]
+        assert kept == history[step.sent_messages - len(kept) : step.sent_messages]
         assert len(messages) == step.sent_messages - step.trimmed_messages
         assert kept[0]["role"] == "user" or step.trimmed_messages == 0
         assert_every_call_is_kept_with_its_result(messages)

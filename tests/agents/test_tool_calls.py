@@ -41,7 +41,8 @@ def test_auto_tool_choice_answers_200(client, agent_gateway):
     # The SDK's default tool_choice with tools is "auto": vLLM refused it (400) before the profiles
     # set enable-auto-tool-choice and a tool-call parser.
     raw = client.chat.completions.with_raw_response.create(
-        model=agent_gateway.model, messages=MESSAGES, tools=TOOLS, max_tokens=16, seed=1)
+        model=agent_gateway.model, messages=MESSAGES, tools=TOOLS, max_tokens=16, seed=1
+    )
     assert raw.status_code == 200
     answer = raw.parse().choices[0]
     assert answer.finish_reason in {"stop", "length", "tool_calls"}
@@ -52,8 +53,14 @@ def test_auto_tool_choice_answers_200(client, agent_gateway):
 def test_required_returns_calls_whose_arguments_match_the_schema(client, agent_gateway):
     finished = 0
     for seed in (3, 4, 5):  # parallel calls may run past max_tokens (then the answer is cut)
-        answer = client.chat.completions.create(model=agent_gateway.model, messages=MESSAGES, tools=TOOLS,
-                                                tool_choice="required", max_tokens=MAX_TOKENS, seed=seed)
+        answer = client.chat.completions.create(
+            model=agent_gateway.model,
+            messages=MESSAGES,
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=MAX_TOKENS,
+            seed=seed,
+        )
         if answer.choices[0].finish_reason == "tool_calls":
             assert_valid_calls(answer.choices[0].message.tool_calls)
             finished += 1
@@ -62,8 +69,14 @@ def test_required_returns_calls_whose_arguments_match_the_schema(client, agent_g
 
 def test_a_named_function_is_the_one_called(client, agent_gateway):
     for seed in (1, 2, 3):
-        answer = client.chat.completions.create(model=agent_gateway.model, messages=MESSAGES, tools=TOOLS,
-                                                tool_choice=NAMED, max_tokens=MAX_TOKENS, seed=seed)
+        answer = client.chat.completions.create(
+            model=agent_gateway.model,
+            messages=MESSAGES,
+            tools=TOOLS,
+            tool_choice=NAMED,
+            max_tokens=MAX_TOKENS,
+            seed=seed,
+        )
         ((name, arguments),) = assert_valid_calls(answer.choices[0].message.tool_calls)
         assert name == "get_weather" and 1 <= arguments["day"] <= 7
 
@@ -75,8 +88,9 @@ def test_tools_without_strict_get_schema_valid_arguments_from_the_profile(client
     for tool in loose:
         del tool["function"]["strict"]
     for choice in ("required", NAMED):
-        answer = client.chat.completions.create(model=agent_gateway.model, messages=MESSAGES, tools=loose,
-                                                tool_choice=choice, max_tokens=MAX_TOKENS, seed=5)
+        answer = client.chat.completions.create(
+            model=agent_gateway.model, messages=MESSAGES, tools=loose, tool_choice=choice, max_tokens=MAX_TOKENS, seed=5
+        )
         assert_valid_calls(answer.choices[0].message.tool_calls)
 
 
@@ -85,8 +99,14 @@ def test_parallel_tool_calls(client, agent_gateway):
     default), and exactly one with parallel_tool_calls=False."""
     several = None
     for seed in range(12):
-        answer = client.chat.completions.create(model=agent_gateway.model, messages=MESSAGES, tools=TOOLS,
-                                                tool_choice="required", max_tokens=MAX_TOKENS, seed=seed)
+        answer = client.chat.completions.create(
+            model=agent_gateway.model,
+            messages=MESSAGES,
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=MAX_TOKENS,
+            seed=seed,
+        )
         if answer.choices[0].finish_reason == "tool_calls" and len(answer.choices[0].message.tool_calls) >= 2:
             several = answer
             break
@@ -94,9 +114,15 @@ def test_parallel_tool_calls(client, agent_gateway):
     calls = several.choices[0].message.tool_calls
     assert_valid_calls(calls)
     assert len({call.id for call in calls}) == len(calls)
-    single = client.chat.completions.create(model=agent_gateway.model, messages=MESSAGES, tools=TOOLS,
-                                            tool_choice="required", max_tokens=MAX_TOKENS, seed=seed,
-                                            parallel_tool_calls=False)
+    single = client.chat.completions.create(
+        model=agent_gateway.model,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=MAX_TOKENS,
+        seed=seed,
+        parallel_tool_calls=False,
+    )
     assert len(assert_valid_calls(single.choices[0].message.tool_calls)) == 1
 
 
@@ -116,8 +142,9 @@ def reassemble(chunks) -> tuple[str, list[dict]]:
 
 @pytest.mark.parametrize("choice", ["required", NAMED], ids=["required", "named"])
 def test_streamed_tool_call_deltas_reassemble_into_the_same_call(client, agent_gateway, choice):
-    request = dict(model=agent_gateway.model, messages=MESSAGES, tools=TOOLS, tool_choice=choice,
-                   max_tokens=MAX_TOKENS, seed=7)
+    request = dict(
+        model=agent_gateway.model, messages=MESSAGES, tools=TOOLS, tool_choice=choice, max_tokens=MAX_TOKENS, seed=7
+    )
     whole = client.chat.completions.create(**request).choices[0].message.tool_calls
     with client.chat.completions.create(**request, stream=True) as stream:
         content, streamed = reassemble(stream)
@@ -143,8 +170,15 @@ def sse_payloads(text: str) -> list[dict]:
 
 
 def test_streamed_tool_calls_pass_the_gateway_untouched(agent_gateway, real_engine):
-    body = dict(model=agent_gateway.model, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED,
-                max_tokens=MAX_TOKENS, seed=11, stream=True)
+    body = dict(
+        model=agent_gateway.model,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice=NAMED,
+        max_tokens=MAX_TOKENS,
+        seed=11,
+        stream=True,
+    )
     through = httpx.post(f"{agent_gateway.url}/v1/chat/completions", json=body, timeout=120)
     direct = httpx.post(f"{real_engine.url}/v1/chat/completions", json=body, timeout=120)
     assert through.status_code == direct.status_code == 200
@@ -159,8 +193,15 @@ def test_time_to_first_token_counts_a_tool_call_answer(client, agent_gateway):
     ttft = "gateway_time_to_first_token_seconds_count"
     itl = "gateway_inter_token_latency_seconds_count"
     before, itl_before = agent_gateway.metric(ttft), agent_gateway.metric(itl)
-    with client.chat.completions.create(model=agent_gateway.model, messages=MESSAGES, tools=TOOLS,
-                                        tool_choice=NAMED, max_tokens=MAX_TOKENS, seed=13, stream=True) as stream:
+    with client.chat.completions.create(
+        model=agent_gateway.model,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice=NAMED,
+        max_tokens=MAX_TOKENS,
+        seed=13,
+        stream=True,
+    ) as stream:
         content, calls = reassemble(stream)
     assert calls and not content
     assert agent_gateway.metric(ttft) == before + 1
@@ -170,16 +211,25 @@ def test_time_to_first_token_counts_a_tool_call_answer(client, agent_gateway):
 def test_tool_calls_and_results_go_back_to_the_model(client, agent_gateway, real_engine):
     """A call and its result in the history: accepted, and rendered by the tiny model's template in
     the format the hermes parser reads."""
-    call = {"id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"city": "Porto", "day": 2}'}}
-    history = [*MESSAGES, {"role": "assistant", "content": "", "tool_calls": [call]},
-               {"role": "tool", "tool_call_id": "call_1", "content": '{"forecast": "rain"}'}]
-    answer = client.chat.completions.create(model=agent_gateway.model, messages=history, tools=TOOLS,
-                                            max_tokens=8, seed=1)
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Porto", "day": 2}'},
+    }
+    history = [
+        *MESSAGES,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"forecast": "rain"}'},
+    ]
+    answer = client.chat.completions.create(
+        model=agent_gateway.model, messages=history, tools=TOOLS, max_tokens=8, seed=1
+    )
     assert answer.choices[0].message.role == "assistant"
-    tokens = httpx.post(f"{real_engine.url}/tokenize", timeout=30,
-                        json={"model": agent_gateway.model, "messages": history}).json()["tokens"]
-    prompt = httpx.post(f"{real_engine.url}/detokenize", timeout=30,
-                        json={"model": agent_gateway.model, "tokens": tokens}).json()["prompt"]
+    tokens = httpx.post(
+        f"{real_engine.url}/tokenize", timeout=30, json={"model": agent_gateway.model, "messages": history}
+    ).json()["tokens"]
+    prompt = httpx.post(
+        f"{real_engine.url}/detokenize", timeout=30, json={"model": agent_gateway.model, "tokens": tokens}
+    ).json()["prompt"]
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Porto", "day": 2}}\n</tool_call>' in prompt
     assert '<|im_start|>tool\n{"forecast": "rain"}<|im_end|>' in prompt

@@ -50,7 +50,13 @@ def test_tree_cpu_seconds_includes_this_process():
 
 def _result(ttft_p50, chunks_per_s, cpu_proxy=None, chunks=1000, errors=0):
     cpu = {"engine": 1.0} | ({} if cpu_proxy is None else {"proxy": cpu_proxy})
-    return {"ttft_ms": {"p50": ttft_p50}, "chunks_per_s": chunks_per_s, "cpu_s": cpu, "chunks": chunks, "errors": errors}
+    return {
+        "ttft_ms": {"p50": ttft_p50},
+        "chunks_per_s": chunks_per_s,
+        "cpu_s": cpu,
+        "chunks": chunks,
+        "errors": errors,
+    }
 
 
 def test_figures_and_goals_from_results():

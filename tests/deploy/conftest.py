@@ -33,10 +33,20 @@ class Variant:
 
 
 VARIANTS = [
-    Variant("gpu", ROOT / "configs/gateway.gpu.yaml", DOCKER / "compose.yaml",
-            DOCKER / "gateway.yaml", DOCKER / "prometheus.yml"),
-    Variant("cpu", ROOT / "configs/gateway.yaml", DOCKER / "compose.cpu.yaml",
-            DOCKER / "gateway.cpu.yaml", DOCKER / "prometheus.cpu.yml"),
+    Variant(
+        "gpu",
+        ROOT / "configs/gateway.gpu.yaml",
+        DOCKER / "compose.yaml",
+        DOCKER / "gateway.yaml",
+        DOCKER / "prometheus.yml",
+    ),
+    Variant(
+        "cpu",
+        ROOT / "configs/gateway.yaml",
+        DOCKER / "compose.cpu.yaml",
+        DOCKER / "gateway.cpu.yaml",
+        DOCKER / "prometheus.cpu.yml",
+    ),
 ]
 
 

@@ -40,8 +40,7 @@ def expected_model_argument(profile) -> str | None:
 
 
 def test_committed_files_equal_a_fresh_rendering(variant, capsys):
-    code = cli_main(["compose", "--config", str(variant.config), "--output", str(variant.compose),
-                     "--check"])
+    code = cli_main(["compose", "--config", str(variant.config), "--output", str(variant.compose), "--check"])
     assert code == 0, capsys.readouterr().err
 
 
@@ -52,8 +51,7 @@ def test_engine_commands_equal_the_renderer_for_every_profile_and_replica(varian
     for entry in settings.models:
         profile = load_profile(profile_path(entry, variant.config))
         model = entry.name or profile.served_model_name
-        argv = engine_argv(profile, host="0.0.0.0", port=8000, launcher="image",
-                           model=expected_model_argument(profile))
+        argv = engine_argv(profile, host="0.0.0.0", port=8000, launcher="image", model=expected_model_argument(profile))
         for replica in range(profile.replicas):
             name = f"engine-{re.sub(r'[^a-z0-9]+', '-', model.lower()).strip('-')}-{replica}"
             expected_services.add(name)
@@ -71,8 +69,9 @@ def test_the_cpu_image_defaults_are_the_tiny_cpu_profile():
     text = (DOCKER / "Dockerfile.vllm-cpu").read_text()
     profile = load_profile(ROOT / "configs/profiles/tiny-cpu.yaml")
     cmd = yaml.safe_load(re.search(r"^CMD (\[.*\])$", text, re.MULTILINE).group(1))
-    assert cmd == engine_argv(profile, host="0.0.0.0", port=8000, launcher="image",
-                              model=tiny_model_built_in_cpu_image())
+    assert cmd == engine_argv(
+        profile, host="0.0.0.0", port=8000, launcher="image", model=tiny_model_built_in_cpu_image()
+    )
     entrypoint = yaml.safe_load(re.search(r"^ENTRYPOINT (\[.*\])$", text, re.MULTILINE).group(1))
     # With the model flag last, the arguments after the entrypoint are launcher="image"'s.
     assert entrypoint == ["python", "-m", "vllm.entrypoints.openai.api_server", "--model"]
@@ -120,11 +119,10 @@ def test_engine_services_are_wired_for_a_real_host(variant):
     assert gateway["depends_on"] == {name: {"condition": "service_started"} for name in engines}
     assert gateway["command"][:3] == ["serve", "--config", compose.GATEWAY_CONFIG_IN_CONTAINER]
     assert f"./{variant.gateway.name}:{compose.GATEWAY_CONFIG_IN_CONTAINER}:ro" in gateway["volumes"]
-    upstreams = [(model["name"], url) for model in variant.gateway_data()["models"]
-                 for url in model["urls"]]
+    upstreams = [(model["name"], url) for model in variant.gateway_data()["models"] for url in model["urls"]]
     assert sorted(upstreams) == sorted(
-        (_flag(s["command"], "--served-model-name", ""), f"http://{name}:8000")
-        for name, s in engines.items())
+        (_flag(s["command"], "--served-model-name", ""), f"http://{name}:8000") for name, s in engines.items()
+    )
     password = services["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"]
     assert password.startswith("${GRAFANA_ADMIN_PASSWORD:?")
 
@@ -154,22 +152,29 @@ def write_config(tmp_path: Path, models: str, **profiles: str) -> Path:
 
 def test_replicas_get_consecutive_gpus_and_remote_engines_join(tmp_path):
     config = write_config(
-        tmp_path, "  - profile: profiles/a.yaml\n  - profile: profiles/b.yaml\n"
+        tmp_path,
+        "  - profile: profiles/a.yaml\n  - profile: profiles/b.yaml\n"
         "  - name: far\n    urls: [http://10.0.0.7:8000/]\n",
         a=GPU_PROFILE.format(n=1, name="A.1", replicas=2, tp=2),
-        b=GPU_PROFILE.format(n=2, name="b", replicas=1, tp=1))
+        b=GPU_PROFILE.format(n=2, name="b", replicas=1, tp=1),
+    )
     output = tmp_path / "docker/compose.yaml"
     files = render(config, output)
     assert "# NVIDIA GPUs needed on this host: 5." in files[output]
     services = yaml.safe_load(files[output])["services"]
-    assert {name: service["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
-            for name, service in services.items() if "deploy" in service} == {
-        "engine-a-1-0": ["0", "1"], "engine-a-1-1": ["2", "3"], "engine-b-0": ["4"]}
+    assert {
+        name: service["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+        for name, service in services.items()
+        if "deploy" in service
+    } == {"engine-a-1-0": ["0", "1"], "engine-a-1-1": ["2", "3"], "engine-b-0": ["4"]}
     gateway = yaml.safe_load(files[tmp_path / "docker/gateway.yaml"])
     assert gateway["routing"] == {"policy": "round_robin"}  # the operator's settings are kept
     assert gateway["models"] == [
-        {"name": "A.1", "profile": "../configs/profiles/a.yaml",
-         "urls": ["http://engine-a-1-0:8000", "http://engine-a-1-1:8000"]},
+        {
+            "name": "A.1",
+            "profile": "../configs/profiles/a.yaml",
+            "urls": ["http://engine-a-1-0:8000", "http://engine-a-1-1:8000"],
+        },
         {"name": "b", "profile": "../configs/profiles/b.yaml", "urls": ["http://engine-b-0:8000"]},
         {"name": "far", "urls": ["http://10.0.0.7:8000"]},
     ]
@@ -179,9 +184,12 @@ def test_replicas_get_consecutive_gpus_and_remote_engines_join(tmp_path):
 
 
 def test_two_models_with_one_service_name_are_refused(tmp_path):
-    config = write_config(tmp_path, "  - profile: profiles/a.yaml\n  - profile: profiles/b.yaml\n",
-                          a=GPU_PROFILE.format(n=1, name="m.1", replicas=1, tp=1),
-                          b=GPU_PROFILE.format(n=2, name="m-1", replicas=1, tp=1))
+    config = write_config(
+        tmp_path,
+        "  - profile: profiles/a.yaml\n  - profile: profiles/b.yaml\n",
+        a=GPU_PROFILE.format(n=1, name="m.1", replicas=1, tp=1),
+        b=GPU_PROFILE.format(n=2, name="m-1", replicas=1, tp=1),
+    )
     with pytest.raises(SettingsError, match="engine-m-1-0"):
         render(config, tmp_path / "docker/compose.yaml")
 
@@ -196,16 +204,20 @@ def test_a_profile_the_gateway_container_cannot_see_is_refused(tmp_path):
 
 def test_the_tiny_model_is_refused_on_a_gpu_engine(tmp_path):
     text = (ROOT / "configs/profiles/tiny-cpu.yaml").read_text().replace("device: cpu", "device: gpu")
-    config = write_config(tmp_path, "  - profile: profiles/tiny.yaml\n",
-                          tiny=text.replace("../../.cache", str(ROOT / ".cache")))
+    config = write_config(
+        tmp_path, "  - profile: profiles/tiny.yaml\n", tiny=text.replace("../../.cache", str(ROOT / ".cache"))
+    )
     with pytest.raises(compose.ComposeError, match="CPU engine image"):
         render(config, tmp_path / "docker/compose.yaml")
 
 
 def test_other_local_models_are_mounted_read_only_by_a_relative_path(tmp_path):
     (tmp_path / "weights/my-model").mkdir(parents=True)
-    config = write_config(tmp_path, "  - profile: profiles/p.yaml\n",
-                          p="model: ../../weights/my-model\nserved_model_name: mine\ndevice: gpu\n")
+    config = write_config(
+        tmp_path,
+        "  - profile: profiles/p.yaml\n",
+        p="model: ../../weights/my-model\nserved_model_name: mine\ndevice: gpu\n",
+    )
     files = render(config, tmp_path / "docker/compose.yaml")
     service = yaml.safe_load(files[tmp_path / "docker/compose.yaml"])["services"]["engine-mine-0"]
     assert service["command"][0] == "/models/my-model"

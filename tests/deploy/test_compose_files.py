@@ -32,10 +32,15 @@ def docker_compose_binary() -> Path:
 
 
 def run_compose(compose_file: Path, *args: str, env: dict[str, str] | None = None):
-    clean = {k: v for k, v in os.environ.items()
-             if not k.startswith(("GRAFANA_", "HF_", "GATEWAY_", "COMPOSE_"))}
-    return subprocess.run([str(docker_compose_binary()), "-f", str(compose_file), *args],
-                          check=False, capture_output=True, text=True, timeout=60, env={**clean, **(env or {})})
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("GRAFANA_", "HF_", "GATEWAY_", "COMPOSE_"))}
+    return subprocess.run(
+        [str(docker_compose_binary()), "-f", str(compose_file), *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**clean, **(env or {})},
+    )
 
 
 def normalized(compose_file: Path) -> dict:
@@ -95,6 +100,7 @@ def test_the_hf_cache_can_be_a_host_folder(variant, tmp_path):
 
 # -- Prometheus -------------------------------------------------------------------------------------
 
+
 def promtool() -> str:
     path = shutil.which("promtool")
     if path is None:
@@ -111,8 +117,9 @@ def test_promtool_accepts_the_prometheus_config(variant, tmp_path):
     assert all(Path(path).is_file() for path in data["rule_files"])
     copy = tmp_path / "prometheus.yml"
     copy.write_text(yaml.safe_dump(data))
-    result = subprocess.run([promtool(), "check", "config", str(copy)],
-                            check=False, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [promtool(), "check", "config", str(copy)], check=False, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout + result.stderr
 
@@ -121,8 +128,9 @@ def test_promtool_accepts_the_prometheus_config(variant, tmp_path):
 def test_promtool_check_can_fail(tmp_path):
     copy = tmp_path / "prometheus.yml"
     copy.write_text("scrape_configs:\n  - job_name: x\n    scrape_interval: often\n")
-    result = subprocess.run([promtool(), "check", "config", str(copy)],
-                            check=False, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [promtool(), "check", "config", str(copy)], check=False, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode != 0
 
 
@@ -172,8 +180,11 @@ PROVISIONING = DOCKER / "grafana/provisioning"
 def test_grafana_provisioning_points_at_dashboards_that_exist(variant):
     mounts = _mounts(variant.compose_data()["services"]["grafana"])
     assert mounts["/etc/grafana/provisioning"] == PROVISIONING
-    providers = [p for f in sorted((PROVISIONING / "dashboards").glob("*.yml"))
-                 for p in yaml.safe_load(f.read_text())["providers"]]
+    providers = [
+        p
+        for f in sorted((PROVISIONING / "dashboards").glob("*.yml"))
+        for p in yaml.safe_load(f.read_text())["providers"]
+    ]
     assert providers
     for provider in providers:
         folder = mounts[provider["options"]["path"]]
@@ -185,13 +196,19 @@ def test_grafana_provisioning_points_at_dashboards_that_exist(variant):
 
 
 def datasource_uids() -> set[str]:
-    return {source["uid"] for f in sorted((PROVISIONING / "datasources").glob("*.yml"))
-            for source in yaml.safe_load(f.read_text())["datasources"]}
+    return {
+        source["uid"]
+        for f in sorted((PROVISIONING / "datasources").glob("*.yml"))
+        for source in yaml.safe_load(f.read_text())["datasources"]
+    }
 
 
 def test_grafana_datasource_is_prometheus_by_uid(variant):
-    sources = [s for f in sorted((PROVISIONING / "datasources").glob("*.yml"))
-               for s in yaml.safe_load(f.read_text())["datasources"]]
+    sources = [
+        s
+        for f in sorted((PROVISIONING / "datasources").glob("*.yml"))
+        for s in yaml.safe_load(f.read_text())["datasources"]
+    ]
     assert [(s["uid"], s["type"]) for s in sources] == [("prometheus", "prometheus")]
     host, port = re.fullmatch(r"http://([\w-]+):(\d+)", sources[0]["url"]).groups()
     prometheus = variant.compose_data()["services"][host]

@@ -59,7 +59,7 @@ def test_engines_wait_for_a_one_shot_download_of_their_hub_model():
     services = resolved(GPU.compose)["services"]
     engines = {n: s for n, s in services.items() if n.startswith("engine-")}
     for name, engine in engines.items():
-        (download, condition), = engine["depends_on"].items()
+        ((download, condition),) = engine["depends_on"].items()
         assert condition["condition"] == "service_completed_successfully"
         job = services[download]
         model = engine["command"][0]
@@ -90,10 +90,12 @@ def test_meta_llama_profiles_are_marked_gated():
 
 
 def test_an_open_model_needs_no_token_and_local_models_no_download(tmp_path):
-    config = write_config(tmp_path, "  - profile: profiles/p.yaml\n  - profile: profiles/t.yaml\n",
-                          p="model: Qwen/Qwen2.5-7B-Instruct\nserved_model_name: q\ndevice: gpu\n",
-                          t=(ROOT / "configs/profiles/tiny-cpu.yaml").read_text().replace(
-                              "../../.cache", str(ROOT / ".cache")))
+    config = write_config(
+        tmp_path,
+        "  - profile: profiles/p.yaml\n  - profile: profiles/t.yaml\n",
+        p="model: Qwen/Qwen2.5-7B-Instruct\nserved_model_name: q\ndevice: gpu\n",
+        t=(ROOT / "configs/profiles/tiny-cpu.yaml").read_text().replace("../../.cache", str(ROOT / ".cache")),
+    )
     output = tmp_path / "docker/compose.yaml"
     services = yaml.safe_load(render(config, output)[output])["services"]
     downloads = [name for name in services if name.startswith("download-")]
@@ -156,8 +158,14 @@ def test_make_up_publishes_beyond_this_host_only_with_api_keys(tmp_path, target)
     assert make
 
     def run(**extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([make, "-s", "-C", str(ROOT), target], env={**env, **extra},
-                              capture_output=True, text=True, timeout=60, check=False)
+        return subprocess.run(
+            [make, "-s", "-C", str(ROOT), target],
+            env={**env, **extra},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
 
     assert run().stdout.startswith("bind= args=compose")  # the compose default: 127.0.0.1
     assert run(GATEWAY_API_KEYS="k").stdout.startswith("bind=0.0.0.0 args=compose")
@@ -171,8 +179,10 @@ def test_engines_by_https_url_are_scraped_over_https_with_their_path(tmp_path):
     plan = plan_deployment(load_settings(config).models, config=config, placement="services")
     jobs = {j["job_name"]: j for j in monitoring.render_prometheus(plan, gateway="gateway:8000")["scrape_configs"]}
     assert jobs["vllm"]["static_configs"] == [
-        {"targets": ["llm.example:443"],
-         "labels": {"model": "far", "__scheme__": "https", "__metrics_path__": "/v/a/metrics"}},
+        {
+            "targets": ["llm.example:443"],
+            "labels": {"model": "far", "__scheme__": "https", "__metrics_path__": "/v/a/metrics"},
+        },
         {"targets": ["10.0.0.9:8001"], "labels": {"model": "far"}},
     ]
 
@@ -186,8 +196,9 @@ def test_promtool_accepts_https_targets_with_a_path(tmp_path):
     (tmp_path / "p.yml").write_text(yaml.safe_dump(data))
     promtool = shutil.which("promtool")
     assert promtool, "make prometheus installs promtool"
-    result = subprocess.run([promtool, "check", "config", str(tmp_path / "p.yml")],
-                            capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [promtool, "check", "config", str(tmp_path / "p.yml")], capture_output=True, text=True, timeout=60, check=False
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -204,9 +215,11 @@ def test_the_gateway_config_carries_each_engines_planned_kv_capacity(variant):
 
 def test_the_gateway_uses_the_rendered_figure_without_planning(tmp_path):
     """A model the gateway could not plan (no config.json anywhere) still shows its planned figure."""
-    config = write_config(tmp_path, "  - profile: profiles/p.yaml\n    urls: [http://e:8000]\n"
-                          "    planned_kv_tokens: 4242\n",
-                          p="model: nobody/unknown\nserved_model_name: u\ndevice: cpu\n")
+    config = write_config(
+        tmp_path,
+        "  - profile: profiles/p.yaml\n    urls: [http://e:8000]\n    planned_kv_tokens: 4242\n",
+        p="model: nobody/unknown\nserved_model_name: u\ndevice: cpu\n",
+    )
     served = plan_deployment(load_settings(config).models, config=config).served_models()
     assert [e.planned_kv_tokens for e in EnginePool.from_models(served).engines()] == [4242]
     config.write_text(config.read_text().replace("    planned_kv_tokens: 4242\n", ""))
@@ -231,15 +244,20 @@ sys.exit(max(codes))
 def test_compose_renders_without_vllm_installed():
     """`make compose` on a host without the engine package: every import of it fails here."""
     args = [str(p) for v in VARIANTS for p in (v.config, v.compose)]
-    result = subprocess.run([sys.executable, "-c", BLOCK_ENGINE, *args], cwd=ROOT, capture_output=True,
-                            text=True, timeout=300, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", BLOCK_ENGINE, *args], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+    )
     assert result.returncode == 0, result.stderr
 
 
 def test_make_compose_installs_the_project_without_the_engine():
-    make = subprocess.run(["make", "-n", "-C", str(ROOT), "-W", "pyproject.toml", "compose",
-                           "ENGINE_PACKAGE=engine-package-marker"],
-                          capture_output=True, text=True, timeout=60, check=False)
+    make = subprocess.run(
+        ["make", "-n", "-C", str(ROOT), "-W", "pyproject.toml", "compose", "ENGINE_PACKAGE=engine-package-marker"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert make.returncode == 0, make.stderr
     assert "python -m server compose" in make.stdout
     assert "engine-package-marker" not in make.stdout

@@ -62,8 +62,11 @@ def image_packages() -> set[str]:
 def not_in_the_image() -> list[str]:
     """Top-level modules installed here whose distributions the image does not have."""
     pinned = image_packages()
-    return sorted(name for name, dists in metadata.packages_distributions().items()
-                  if not {_key(d) for d in dists} & pinned and name != "server")
+    return sorted(
+        name
+        for name, dists in metadata.packages_distributions().items()
+        if not {_key(d) for d in dists} & pinned and name != "server"
+    )
 
 
 def container_mounts(service: dict) -> dict[str, Path]:
@@ -108,9 +111,11 @@ def test_gateway_command_serves_health_and_models_in_front_of_engines(variant, t
         command[command.index("--port") + 1] = str(port)
         modules_file = tmp_path / "modules.json"
         process = subprocess.Popen(
-            [sys.executable, "-c", RUNNER, str(modules_file), json.dumps(not_in_the_image()),
-             *command],
-            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [sys.executable, "-c", RUNNER, str(modules_file), json.dumps(not_in_the_image()), *command],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
             # The image has this checkout's server/ installed; so does PYTHONPATH here.
             env={**{k: v for k, v in os.environ.items() if k != "GATEWAY_API_KEYS"}, "PYTHONPATH": str(ROOT)},
         )
@@ -121,9 +126,11 @@ def test_gateway_command_serves_health_and_models_in_front_of_engines(variant, t
             listed = httpx.get(f"{base}/v1/models", timeout=5).json()
             assert sorted(card["id"] for card in listed["data"]) == sorted(models)
             for model in models:
-                reply = httpx.post(f"{base}/v1/chat/completions", timeout=10, json={
-                    "model": model, "max_tokens": 4,
-                    "messages": [{"role": "user", "content": "hello"}]})
+                reply = httpx.post(
+                    f"{base}/v1/chat/completions",
+                    timeout=10,
+                    json={"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}]},
+                )
                 assert reply.status_code == 200, reply.text
                 assert reply.json()["model"] == model
         finally:

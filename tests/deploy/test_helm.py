@@ -42,8 +42,9 @@ PROMETHEUS_OPERATOR = "monitoring.coreos.com/v1"
 CUSTOM_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ScaledObject"}
 
 
-def render(values: dict[str, Any], *, api_versions: tuple[str, ...] = (), kube_version: str | None = None,
-           name: str = "llm") -> list[dict[str, Any]]:
+def render(
+    values: dict[str, Any], *, api_versions: tuple[str, ...] = (), kube_version: str | None = None, name: str = "llm"
+) -> list[dict[str, Any]]:
     """`helm template` of the chart: every object it renders.
 
     helm-python-sdk's `Chart.render` has no keyword for the cluster's API versions; its native
@@ -53,16 +54,21 @@ def render(values: dict[str, Any], *, api_versions: tuple[str, ...] = (), kube_v
     if kube_version:
         options["kube_version"] = f"v{kube_version}"
     with helm.Chart.load(CHART) as chart:
-        manifests = json.loads(_native.call_string("helm_render", chart._raw(), json.dumps(values),
-                                                   json.dumps(options)))
-    return [doc for path, text in sorted(manifests.items()) if not path.endswith("NOTES.txt")
-            for doc in yaml.safe_load_all(text) if doc]
+        manifests = json.loads(
+            _native.call_string("helm_render", chart._raw(), json.dumps(values), json.dumps(options))
+        )
+    return [
+        doc
+        for path, text in sorted(manifests.items())
+        if not path.endswith("NOTES.txt")
+        for doc in yaml.safe_load_all(text)
+        if doc
+    ]
 
 
 def values_for(config: Path) -> dict[str, Any]:
     settings = load_settings(config)
-    text = values_renderer.render_file(settings.models, config=config,
-                                       shutdown_grace=settings.limits.shutdown_grace)
+    text = values_renderer.render_file(settings.models, config=config, shutdown_grace=settings.limits.shutdown_grace)
     values: dict[str, Any] = yaml.safe_load(text)
     return values
 
@@ -89,23 +95,29 @@ def write_config(tmp_path: Path, body: str, **profiles: str) -> Path:
 
 def several_profiles(tmp_path: Path) -> dict[str, Any]:
     profiles = ROOT / "configs/profiles"
-    config = write_config(tmp_path, (
-        f"models:\n  - profile: {profiles / 'chat-fp8.yaml'}\n  - profile: {profiles / 'rag-prefix.yaml'}\n"
-        f"  - profile: {profiles / 'long-context.yaml'}\n"
-        "  - name: far\n    urls: [http://10.0.0.7:8000]\n    trimming: {mode: strict}\n"
-        "routing:\n  policy: round_robin\nlimits:\n  shutdown_grace: 12.5\n"))
+    config = write_config(
+        tmp_path,
+        (
+            f"models:\n  - profile: {profiles / 'chat-fp8.yaml'}\n  - profile: {profiles / 'rag-prefix.yaml'}\n"
+            f"  - profile: {profiles / 'long-context.yaml'}\n"
+            "  - name: far\n    urls: [http://10.0.0.7:8000]\n    trimming: {mode: strict}\n"
+            "routing:\n  policy: round_robin\nlimits:\n  shutdown_grace: 12.5\n"
+        ),
+    )
     return values_for(config)
 
 
 def tensor_parallel_2(tmp_path: Path) -> dict[str, Any]:
-    config = write_config(tmp_path, "models:\n  - profile: big.yaml\n",
-                          big=GPU_PROFILE.format(name="big", replicas=2, tp=2, pp=1))
+    config = write_config(
+        tmp_path, "models:\n  - profile: big.yaml\n", big=GPU_PROFILE.format(name="big", replicas=2, tp=2, pp=1)
+    )
     return values_for(config)
 
 
 def tp2_pp2(tmp_path: Path) -> dict[str, Any]:
-    config = write_config(tmp_path, "models:\n  - profile: huge.yaml\n",
-                          huge=GPU_PROFILE.format(name="huge", replicas=1, tp=2, pp=2))
+    config = write_config(
+        tmp_path, "models:\n  - profile: huge.yaml\n", huge=GPU_PROFILE.format(name="huge", replicas=1, tp=2, pp=2)
+    )
     return values_for(config)
 
 
@@ -193,8 +205,9 @@ def test_values_come_from_the_plan_and_the_engine_renderer():
 
 def test_a_local_model_folder_is_refused(tmp_path, capsys):
     (tmp_path / "weights").mkdir()
-    config = write_config(tmp_path, "models:\n  - profile: p.yaml\n",
-                          p="model: ./weights\nserved_model_name: mine\ndevice: gpu\n")
+    config = write_config(
+        tmp_path, "models:\n  - profile: p.yaml\n", p="model: ./weights\nserved_model_name: mine\ndevice: gpu\n"
+    )
     assert cli_main(["helm-values", "--config", str(config)]) == 2
     assert "hub id" in capsys.readouterr().err
 
@@ -230,8 +243,11 @@ def test_every_core_object_validates_strictly_on_every_supported_kubernetes(case
 
 
 def test_the_validator_can_fail():
-    (deployment,) = [o for o in render(values_for(GPU_CONFIG)) if o["kind"] == "Deployment"
-                     and o["metadata"]["labels"]["app.kubernetes.io/component"] == "gateway"]
+    (deployment,) = [
+        o
+        for o in render(values_for(GPU_CONFIG))
+        if o["kind"] == "Deployment" and o["metadata"]["labels"]["app.kubernetes.io/component"] == "gateway"
+    ]
     broken = copy.deepcopy(deployment)
     broken["spec"]["template"]["spec"]["containers"][0]["startupProbes"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
@@ -385,8 +401,9 @@ def test_promtool_accepts_the_rendered_alert_rules(tmp_path):
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.fail("promtool is missing: `make prometheus` installs the Debian package")
-    result = subprocess.run([promtool, "check", "rules", str(path)], check=False, capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [promtool, "check", "rules", str(path)], check=False, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -436,9 +453,18 @@ def schema_violations(schema: Any, valid: Any, path: Path_ = ()) -> Iterator[tup
     here = "/" + "/".join(map(str, path)) if path else ""
     if "type" in schema and path:  # values are a mapping before any schema sees them
         types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
-        wrong = next(v for t, v in [("object", {"x": 1}), ("string", "x"), ("integer", 1), ("boolean", True),
-                                    ("array", ["x"]), ("null", None)]
-                     if t not in types and not (t == "integer" and "number" in types))
+        wrong = next(
+            v
+            for t, v in [
+                ("object", {"x": 1}),
+                ("string", "x"),
+                ("integer", 1),
+                ("boolean", True),
+                ("array", ["x"]),
+                ("null", None),
+            ]
+            if t not in types and not (t == "integer" and "number" in types)
+        )
         yield "type", path, wrong, here
     if "enum" in schema:
         yield "enum", path, "not-one-of-them", here
@@ -490,8 +516,9 @@ def full_valid_values() -> dict[str, Any]:
     rendered = yaml.safe_load((ROOT / "charts/values.gpu.yaml").read_text())
     values["engines"] = rendered["engines"]
     values["gateway"].update(rendered["gateway"])
-    values["gateway"]["models"].append({"name": "far", "urls": ["http://10.0.0.7:8000"],
-                                        "trimming": {"mode": "off", "history_budget_tokens": 100}})
+    values["gateway"]["models"].append(
+        {"name": "far", "urls": ["http://10.0.0.7:8000"], "trimming": {"mode": "off", "history_budget_tokens": 100}}
+    )
     values["engineResources"] = {"requests": {"cpu": "4"}, "limits": {"memory": "64Gi"}}
     values["nodeSelector"] = {"gpu": "a100"}
     values["tolerations"] = [{"key": "dedicated", "operator": "Exists"}]
@@ -528,8 +555,17 @@ def _walk_rules(schema: Any, root: bool = True) -> Iterator[str]:
         return
     if "type" in schema and not root:
         yield "type"
-    for key in ("enum", "pattern", "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum",
-                "minItems", "oneOf"):
+    for key in (
+        "enum",
+        "pattern",
+        "minLength",
+        "maxLength",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "minItems",
+        "oneOf",
+    ):
         if key in schema:
             yield key
     if schema.get("additionalProperties") is False:
@@ -541,8 +577,11 @@ def _walk_rules(schema: Any, root: bool = True) -> Iterator[str]:
         yield from _walk_rules(schema["items"], root=False)
 
 
-@pytest.mark.parametrize(("rule", "path", "bad", "pointer"), VIOLATIONS,
-                         ids=[f"{rule}:{pointer or '/'}" for rule, _, _, pointer in VIOLATIONS])
+@pytest.mark.parametrize(
+    ("rule", "path", "bad", "pointer"),
+    VIOLATIONS,
+    ids=[f"{rule}:{pointer or '/'}" for rule, _, _, pointer in VIOLATIONS],
+)
 def test_a_value_that_breaks_a_schema_rule_is_refused_with_its_key_named(rule, path, bad, pointer):
     values = set_at(full_valid_values(), path, bad)
     with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError) as refused:

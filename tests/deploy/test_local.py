@@ -22,8 +22,9 @@ CHAT = {"model": "standin", "messages": [{"role": "user", "content": "hello"}]}
 
 
 def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server", *args], check=False, capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "server", *args], check=False, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 def serve_until_sigterm(*args: str) -> tuple[int, list[dict], httpx.Response]:
@@ -32,8 +33,13 @@ def serve_until_sigterm(*args: str) -> tuple[int, list[dict], httpx.Response]:
     Returns the exit code, the JSON log lines and the answer to the request.
     """
     port = free_port()
-    with subprocess.Popen([sys.executable, "-m", "server", "serve", *args, "--port", str(port)],
-                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
+    with subprocess.Popen(
+        [sys.executable, "-m", "server", "serve", *args, "--port", str(port)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    ) as process:
         try:
             wait_http(f"http://127.0.0.1:{port}/ready", timeout=30)
             response = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT, timeout=10)
@@ -102,26 +108,45 @@ def test_up_starts_the_planned_engines_serves_in_front_and_stops_them_on_sigterm
     and on SIGTERM the gateway drains, then every engine process is gone."""
     engine_port, gateway_port = free_port(), free_port()
     config = tmp_path / "gateway.yaml"
-    config.write_text(f"models:\n  - profile: {ROOT / 'configs/profiles/tiny-cpu.yaml'}\n"
-                      f"    base_port: {engine_port}\nlimits:\n  shutdown_grace: 5\n")
+    config.write_text(
+        f"models:\n  - profile: {ROOT / 'configs/profiles/tiny-cpu.yaml'}\n"
+        f"    base_port: {engine_port}\nlimits:\n  shutdown_grace: 5\n"
+    )
     log = tmp_path / "up.log"
-    with log.open("w") as out, subprocess.Popen(
+    with (
+        log.open("w") as out,
+        subprocess.Popen(
             [sys.executable, "-m", "server", "up", "--config", str(config), "--port", str(gateway_port)],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True) as process:
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        ) as process,
+    ):
         try:
             wait_http(f"http://127.0.0.1:{gateway_port}/ready", timeout=420)
             httpx.get(f"http://127.0.0.1:{engine_port}/health", timeout=5).raise_for_status()
-            answer = httpx.post(f"http://127.0.0.1:{gateway_port}/v1/chat/completions", timeout=60, json={
-                "model": "tiny", "max_tokens": 4, "ignore_eos": True,
-                "messages": [{"role": "user", "content": "hello"}]})
+            answer = httpx.post(
+                f"http://127.0.0.1:{gateway_port}/v1/chat/completions",
+                timeout=60,
+                json={
+                    "model": "tiny",
+                    "max_tokens": 4,
+                    "ignore_eos": True,
+                    "messages": [{"role": "user", "content": "hello"}],
+                },
+            )
             assert answer.status_code == 200, answer.text
             assert answer.json()["usage"]["completion_tokens"] == 4
             tree = descendants(process.pid)
             assert tree, "expected the engine's processes under `up`"
             process.send_signal(signal.SIGTERM)
             assert process.wait(timeout=120) == 0, log.read_text()[-4000:]
-            wait_for(lambda: not [pid for pid in tree if alive(pid)], interval=0.1,
-                     what=lambda: f"still alive: {[pid for pid in tree if alive(pid)]}")
+            wait_for(
+                lambda: not [pid for pid in tree if alive(pid)],
+                interval=0.1,
+                what=lambda: f"still alive: {[pid for pid in tree if alive(pid)]}",
+            )
         finally:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)

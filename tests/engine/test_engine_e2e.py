@@ -22,9 +22,13 @@ pytestmark = pytest.mark.engine
 def test_chat_completion_through_the_openai_sdk(real_engine):
     client = openai.OpenAI(base_url=real_engine.openai_base_url, api_key="unused")
     reply = client.chat.completions.create(
-        model=real_engine.model, max_tokens=8, temperature=0,
-        messages=[{"role": "system", "content": "You plan trips."},
-                  {"role": "user", "content": "Three days in Lisbon?"}],
+        model=real_engine.model,
+        max_tokens=8,
+        temperature=0,
+        messages=[
+            {"role": "system", "content": "You plan trips."},
+            {"role": "user", "content": "Three days in Lisbon?"},
+        ],
     )
     assert reply.choices[0].message.role == "assistant"
     assert reply.usage.completion_tokens == 8
@@ -34,7 +38,10 @@ def test_chat_completion_through_the_openai_sdk(real_engine):
 def test_streamed_chat_completion_through_the_openai_sdk(real_engine):
     client = openai.OpenAI(base_url=real_engine.openai_base_url, api_key="unused")
     stream = client.chat.completions.create(
-        model=real_engine.model, max_tokens=6, stream=True, stream_options={"include_usage": True},
+        model=real_engine.model,
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
         messages=[{"role": "user", "content": "Plan a museum day"}],
     )
     chunks = list(stream)
@@ -60,8 +67,13 @@ def test_planner_capacity_matches_the_engine(real_engine):
 
 
 def test_plan_command_json_matches_the_engine(real_engine):
-    out = subprocess.run([sys.executable, "-m", "server", "plan", str(real_engine.profile.source), "--json"],
-                         capture_output=True, text=True, check=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "server", "plan", str(real_engine.profile.source), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
     import json
 
     planned = json.loads(out.stdout)["kv_cache_tokens"]
@@ -92,7 +104,11 @@ def test_fp8_profile_refused_before_any_engine_starts():
     started = time.perf_counter()
     out = subprocess.run(
         [sys.executable, "-m", "server", "engine", "configs/profiles/tiny-cpu-fp8.yaml", "--port", "8199"],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=60,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=60,
     )
     elapsed = time.perf_counter() - started
     assert out.returncode == 1
@@ -137,7 +153,10 @@ def test_sigterm_stops_the_engine_and_every_child(real_engine):
     assert len(tree) >= 2, "expected the vLLM API server and its engine core"
     supervisor.send_signal(signal.SIGTERM)
     assert supervisor.wait(timeout=60) == 0
-    wait_for(lambda: not [pid for pid in tree if alive(pid)], interval=0.1,
-             what=lambda: f"still alive: {[pid for pid in tree if alive(pid)]}")
+    wait_for(
+        lambda: not [pid for pid in tree if alive(pid)],
+        interval=0.1,
+        what=lambda: f"still alive: {[pid for pid in tree if alive(pid)]}",
+    )
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{real_engine.url}/health", timeout=2)

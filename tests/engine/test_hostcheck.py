@@ -16,16 +16,20 @@ def profile(name):
     return load_profile(profiles_dir() / f"{name}.yaml")
 
 
-def tiny_profile(tmp_path: Path, extra_vllm: str = "", env: str = "  VLLM_CPU_KVCACHE_SPACE: '1'\n",
-                 dtype: str = "auto") -> object:
+def tiny_profile(
+    tmp_path: Path, extra_vllm: str = "", env: str = "  VLLM_CPU_KVCACHE_SPACE: '1'\n", dtype: str = "auto"
+) -> object:
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(
         '{"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, '
-        '"num_key_value_heads": 2, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}')
+        '"num_key_value_heads": 2, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}'
+    )
     path = tmp_path / "p.yaml"
-    path.write_text(f"model: ./model\nserved_model_name: t\ndevice: cpu\nenv:\n{env}"
-                    f"vllm:\n  kv-cache-dtype: {dtype}\n  block-size: 128\n{extra_vllm}")
+    path.write_text(
+        f"model: ./model\nserved_model_name: t\ndevice: cpu\nenv:\n{env}"
+        f"vllm:\n  kv-cache-dtype: {dtype}\n  block-size: 128\n{extra_vllm}"
+    )
     return load_profile(path)
 
 
@@ -81,9 +85,15 @@ def test_kv_memory_too_small_for_one_sequence(tmp_path):
 
 def test_rope_scaling_extends_the_limit():
     assert model_max_len({"max_position_embeddings": 32768}) == 32768
-    assert model_max_len({"max_position_embeddings": 32768,
-                          "rope_scaling": {"type": "yarn", "factor": 4.0,
-                                           "original_max_position_embeddings": 32768}}) == 131072
+    assert (
+        model_max_len(
+            {
+                "max_position_embeddings": 32768,
+                "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+            }
+        )
+        == 131072
+    )
 
 
 def test_detect_reads_this_machine(monkeypatch):

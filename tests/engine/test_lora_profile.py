@@ -32,11 +32,14 @@ def test_profiles_without_adapters_render_no_lora_flags():
     assert "--enable-lora" not in argv and "--lora-modules" not in argv
 
 
-@pytest.mark.parametrize("adapters, problem", [
-    ([{"name": "a", "path": "/x"}, {"name": "a", "path": "/y"}], "share a name"),
-    ([{"name": "tiny", "path": "/x"}], "named like the served model"),
-    ([{"name": "a", "path": "/x", "rank": 8}], "unknown key"),
-])
+@pytest.mark.parametrize(
+    "adapters, problem",
+    [
+        ([{"name": "a", "path": "/x"}, {"name": "a", "path": "/y"}], "share a name"),
+        ([{"name": "tiny", "path": "/x"}], "named like the served model"),
+        ([{"name": "a", "path": "/x", "rank": 8}], "unknown key"),
+    ],
+)
 def test_bad_adapter_declarations_are_refused(tmp_path, adapters, problem):
     path = tmp_path / "p.yaml"
     path.write_text(json.dumps({"model": "/m", "served_model_name": "tiny", "lora_adapters": adapters}))

@@ -13,7 +13,6 @@ from server.engine.hostcheck import (
     ParserNames,
     check_parsers,
     check_profile,
-    installed_parser_names,
     parser_names_in,
     plugin_parser_names,
 )
@@ -21,8 +20,7 @@ from server.engine.profiles import load_profile, profiles_dir
 from tests.conftest import ROOT
 from tests.engine.test_hostcheck import AVX2, AVX512, ONE_GPU
 
-NAMES = ParserNames(tool=frozenset({"hermes", "llama3_json", "mistral"}),
-                    reasoning=frozenset({"deepseek_r1", "qwen3"}))
+NAMES = ParserNames(tool=frozenset({"hermes", "llama3_json", "mistral"}), reasoning=frozenset({"deepseek_r1", "qwen3"}))
 
 # The parser that reads each model family's tool calls (its chat template's format).
 EXPECTED_TOOL_PARSER = {
@@ -40,8 +38,7 @@ def write_profile(tmp_path, flags: str, name: str = "p.yaml"):
 
 def chat_profiles():
     """Every profile but the embedding ones (vLLM's pooling runner serves no chat)."""
-    return sorted(path for path in profiles_dir().glob("*.yaml")
-                  if load_profile(path).vllm.get("runner") != "pooling")
+    return sorted(path for path in profiles_dir().glob("*.yaml") if load_profile(path).vllm.get("runner") != "pooling")
 
 
 @pytest.mark.parametrize("path", chat_profiles(), ids=lambda p: p.stem)
@@ -58,8 +55,7 @@ def test_every_chat_profile_is_agent_ready(path):
 @pytest.mark.parametrize("path", chat_profiles(), ids=lambda p: p.stem)
 def test_profiles_still_pass_the_whole_host_check_on_their_device(path):
     profile = load_profile(path)
-    host = (ONE_GPU if profile.device == "gpu"
-            else AVX512 if profile.kv_cache_dtype.startswith("fp8") else AVX2)
+    host = ONE_GPU if profile.device == "gpu" else AVX512 if profile.kv_cache_dtype.startswith("fp8") else AVX2
     assert check_profile(profile, host) == []
 
 
@@ -78,8 +74,9 @@ def test_an_unknown_reasoning_parser_is_refused_with_the_valid_names(tmp_path):
 
 
 def test_known_parsers_pass(tmp_path):
-    profile = write_profile(tmp_path, "  enable-auto-tool-choice: true\n  tool-call-parser: hermes\n"
-                                      "  reasoning-parser: qwen3\n")
+    profile = write_profile(
+        tmp_path, "  enable-auto-tool-choice: true\n  tool-call-parser: hermes\n  reasoning-parser: qwen3\n"
+    )
     assert check_parsers(profile, NAMES) == []
 
 
@@ -98,10 +95,12 @@ def test_names_a_plugin_registers_are_accepted(tmp_path):
         "from vllm.tool_parsers import ToolParser, ToolParserManager\n"
         "@ToolParserManager.register_module(['mine', 'mine2'])\n"
         "class Mine(ToolParser):\n    pass\n"
-        "ToolParserManager.register_module(name='other', module=Mine)\n")
+        "ToolParserManager.register_module(name='other', module=Mine)\n"
+    )
     assert plugin_parser_names(tmp_path / "my_parser.py") == {"mine", "mine2", "other"}
-    profile = write_profile(tmp_path, "  enable-auto-tool-choice: true\n  tool-call-parser: mine2\n"
-                                      "  tool-parser-plugin: my_parser.py\n")
+    profile = write_profile(
+        tmp_path, "  enable-auto-tool-choice: true\n  tool-call-parser: mine2\n  tool-parser-plugin: my_parser.py\n"
+    )
     assert check_parsers(profile, NAMES) == []  # relative to the profile's folder
     profile = write_profile(tmp_path, "  tool-call-parser: nope\n  tool-parser-plugin: my_parser.py\n")
     assert "valid names: hermes, llama3_json, mine, mine2, mistral, other" in check_parsers(profile, NAMES)[0]
@@ -111,12 +110,19 @@ def test_names_a_plugin_registers_are_accepted(tmp_path):
 
 def test_the_check_refuses_through_check_profile_and_the_cli(tmp_path):
     path = tmp_path / "bad.yaml"
-    path.write_text("model: ./m\nserved_model_name: m\ndevice: cpu\nbuild_tiny_model: true\n"
-                    "vllm:\n  enable-auto-tool-choice: true\n  tool-call-parser: hermes2\n")
+    path.write_text(
+        "model: ./m\nserved_model_name: m\ndevice: cpu\nbuild_tiny_model: true\n"
+        "vllm:\n  enable-auto-tool-choice: true\n  tool-call-parser: hermes2\n"
+    )
     assert any("tool-call-parser 'hermes2'" in p for p in check_profile(load_profile(path), AVX2))
-    result = subprocess.run([sys.executable, "-m", "server", "check", str(path)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60,
-                            env={"PATH": "/usr/bin:/bin", "SERVER_HOST_CPU_FLAGS": "avx2"})
+    result = subprocess.run(
+        [sys.executable, "-m", "server", "check", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "SERVER_HOST_CPU_FLAGS": "avx2"},
+    )
     assert result.returncode == 1
     assert "tool-call-parser 'hermes2' is not a tool parser the installed vLLM knows" in result.stderr
     assert "hermes, hf," in result.stderr  # the valid names, sorted
@@ -141,8 +147,9 @@ print(json.dumps({"tool": sorted(ToolParserManager.list_registered()),
 
 
 def run_json(code: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -162,6 +169,12 @@ def test_a_package_without_the_tables_gives_no_names(tmp_path):
 
 
 def test_engine_args_show_the_tool_flags():
-    result = subprocess.run([sys.executable, "-m", "server", "engine-args", "chat-fp8"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60, check=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "server", "engine-args", "chat-fp8"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert "--enable-auto-tool-choice --tool-call-parser llama3_json" in result.stdout

@@ -4,24 +4,65 @@ import json
 
 import pytest
 
+from server.cli import main as cli_main
 from server.engine.planner import (
-    PlanError, capacity, estimate_weight_bytes, kv_layout, parse_size, plan_profile, sequence_bytes,
+    PlanError,
+    capacity,
+    estimate_weight_bytes,
+    kv_layout,
+    parse_size,
+    plan_profile,
+    sequence_bytes,
 )
 from server.engine.profiles import load_profile, profiles_dir
-from server.cli import main as cli_main
 
-LLAMA2_7B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-                 intermediate_size=11008, vocab_size=32000, torch_dtype="float16")
-LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                 intermediate_size=14336, vocab_size=128256, torch_dtype="bfloat16")
-DEEPSEEK_V3 = dict(hidden_size=7168, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
-                   kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-                   torch_dtype="bfloat16")
-MISTRAL_7B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                  sliding_window=4096, torch_dtype="bfloat16")
-GEMMA2_LIKE = dict(hidden_size=2304, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                   head_dim=256, sliding_window=4096, torch_dtype="bfloat16",
-                   layer_types=["sliding_attention", "full_attention"] * 2)
+LLAMA2_7B = dict(
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    intermediate_size=11008,
+    vocab_size=32000,
+    torch_dtype="float16",
+)
+LLAMA3_8B = dict(
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=14336,
+    vocab_size=128256,
+    torch_dtype="bfloat16",
+)
+DEEPSEEK_V3 = dict(
+    hidden_size=7168,
+    num_hidden_layers=61,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    torch_dtype="bfloat16",
+)
+MISTRAL_7B = dict(
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    sliding_window=4096,
+    torch_dtype="bfloat16",
+)
+GEMMA2_LIKE = dict(
+    hidden_size=2304,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    sliding_window=4096,
+    torch_dtype="bfloat16",
+    layer_types=["sliding_attention", "full_attention"] * 2,
+)
 
 
 def test_mha_llama2():
@@ -73,8 +114,9 @@ def test_qwen2_window_off_unless_used():
 
 
 def test_capacity_in_whole_blocks():
-    layout = kv_layout(dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, torch_dtype="bfloat16"))
+    layout = kv_layout(
+        dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, torch_dtype="bfloat16")
+    )
     assert layout.bytes_per_token == 1024
     blocks, tokens, seqs = capacity(layout, 2**30, 128, 2048)
     assert (blocks, tokens, seqs) == (8192, 1_048_576, 512)
@@ -99,9 +141,12 @@ def test_parse_size():
 
 
 def test_tiny_cpu_plan_uses_kvcache_space():
-    plan = plan_profile(load_profile(profiles_dir() / "tiny-cpu.yaml"),
-                        config=dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-                                    num_key_value_heads=2, torch_dtype="bfloat16"))
+    plan = plan_profile(
+        load_profile(profiles_dir() / "tiny-cpu.yaml"),
+        config=dict(
+            hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, torch_dtype="bfloat16"
+        ),
+    )
     assert plan.kv_memory_bytes == 2**30
     assert plan.kv_cache_tokens == 1_048_576
     assert plan.max_concurrent_sequences == 512
@@ -135,29 +180,43 @@ def _profile_file(tmp_path, text: str):
 
 
 def test_a_model_too_big_for_one_gpu_names_the_smallest_tensor_parallel_size(tmp_path, capsys):
-    profile = _profile_file(tmp_path, "name: big\nmodel: meta-llama/Meta-Llama-3-70B-Instruct\nserved_model_name: big\ndevice: gpu\n"
-                                      "vllm:\n  max-model-len: 8192\n")
+    profile = _profile_file(
+        tmp_path,
+        "name: big\nmodel: meta-llama/Meta-Llama-3-70B-Instruct\nserved_model_name: big\ndevice: gpu\n"
+        "vllm:\n  max-model-len: 8192\n",
+    )
     plan = plan_profile(profile, parse_size("141GiB"))
     assert plan.max_concurrent_sequences == 0
     tp = plan.min_tensor_parallel_size
     assert tp is not None and tp >= 2
     # The size it names does hold a sequence, and one less does not.
-    bigger = _profile_file(tmp_path, "name: big\nmodel: meta-llama/Meta-Llama-3-70B-Instruct\nserved_model_name: big\ndevice: gpu\n"
-                                     f"vllm:\n  max-model-len: 8192\n  tensor-parallel-size: {tp}\n")
+    bigger = _profile_file(
+        tmp_path,
+        "name: big\nmodel: meta-llama/Meta-Llama-3-70B-Instruct\nserved_model_name: big\ndevice: gpu\n"
+        f"vllm:\n  max-model-len: 8192\n  tensor-parallel-size: {tp}\n",
+    )
     assert plan_profile(bigger, parse_size("141GiB")).max_concurrent_sequences >= 1
     if tp > 2:
-        smaller = _profile_file(tmp_path, "name: big\nmodel: meta-llama/Meta-Llama-3-70B-Instruct\nserved_model_name: big\ndevice: gpu\n"
-                                          f"vllm:\n  max-model-len: 8192\n  tensor-parallel-size: {tp - 1}\n")
+        smaller = _profile_file(
+            tmp_path,
+            "name: big\nmodel: meta-llama/Meta-Llama-3-70B-Instruct\nserved_model_name: big\ndevice: gpu\n"
+            f"vllm:\n  max-model-len: 8192\n  tensor-parallel-size: {tp - 1}\n",
+        )
         assert plan_profile(smaller, parse_size("141GiB")).max_concurrent_sequences == 0
     assert cli_main(["plan", str(profile.source), "--device-memory", "141GiB"]) == 0
     assert f"needs tensor-parallel-size >= {tp}" in capsys.readouterr().out
-    assert plan_profile(load_profile(profiles_dir() / "chat-fp8.yaml"),
-                        parse_size("80GiB")).min_tensor_parallel_size is None
+    assert (
+        plan_profile(load_profile(profiles_dir() / "chat-fp8.yaml"), parse_size("80GiB")).min_tensor_parallel_size
+        is None
+    )
 
 
 def test_the_tiny_model_plans_before_it_is_built(tmp_path):
-    profile = _profile_file(tmp_path, "name: t\nmodel: ./not-built-yet\nserved_model_name: tiny\n"
-                                      "build_tiny_model: true\ndevice: cpu\nenv:\n  VLLM_CPU_KVCACHE_SPACE: '1'\n")
+    profile = _profile_file(
+        tmp_path,
+        "name: t\nmodel: ./not-built-yet\nserved_model_name: tiny\n"
+        "build_tiny_model: true\ndevice: cpu\nenv:\n  VLLM_CPU_KVCACHE_SPACE: '1'\n",
+    )
     assert not (tmp_path / "not-built-yet").exists()
     plan = plan_profile(profile)
     assert plan.kv_bytes_per_token == 2 * 2 * 2 * 64 * 2  # K and V x 2 layers x 2 KV heads x 64 dims x bf16

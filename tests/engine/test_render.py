@@ -4,9 +4,9 @@ import sys
 
 import yaml
 
+from server.cli import main as cli_main
 from server.engine.profiles import load_profile, profiles_dir
 from server.engine.render import engine_argv, engine_config, engine_flags, render_shell, render_yaml
-from server.cli import main as cli_main
 
 
 def tiny():
@@ -17,13 +17,34 @@ def test_tiny_cpu_argv_is_exact():
     profile = tiny()
     argv = engine_argv(profile, host="127.0.0.1", port=8100)
     assert argv == [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(profile.model_path),
-        "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", "8100",
-        "--dtype", "bfloat16", "--block-size", "128", "--kv-cache-dtype", "auto",
-        "--enable-prefix-caching", "--enable-prompt-tokens-details", "--max-model-len", "2048",
-        "--gpu-memory-utilization", "0.3",
-        "--max-num-seqs", "32", "--tensor-parallel-size", "1", "--enforce-eager",
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(profile.model_path),
+        "--served-model-name",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8100",
+        "--dtype",
+        "bfloat16",
+        "--block-size",
+        "128",
+        "--kv-cache-dtype",
+        "auto",
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--max-model-len",
+        "2048",
+        "--gpu-memory-utilization",
+        "0.3",
+        "--max-num-seqs",
+        "32",
+        "--tensor-parallel-size",
+        "1",
+        "--enforce-eager",
     ]
 
 
@@ -47,9 +68,13 @@ def test_booleans_lists_and_dicts(tmp_path):
     )
     flags = engine_flags(load_profile(path))
     assert flags == [
-        "--no-enable-prefix-caching", "--trust-remote-code",
-        "--speculative-config", '{"method":"ngram","num_speculative_tokens":4}',
-        "--allowed-origins", "a", "b",
+        "--no-enable-prefix-caching",
+        "--trust-remote-code",
+        "--speculative-config",
+        '{"method":"ngram","num_speculative_tokens":4}',
+        "--allowed-origins",
+        "a",
+        "b",
     ]
 
 

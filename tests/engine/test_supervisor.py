@@ -25,11 +25,17 @@ def alive(pid: int) -> bool:
 
 def supervisor(tmp_path, *extra, max_restarts=3, ready_timeout=60.0):
     port = free_port()
-    argv = [sys.executable, "-m", "tests.engine.fake_engine", str(port),
-            "--pidfile", str(tmp_path / "children"), *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "tests.engine.fake_engine",
+        str(port),
+        "--pidfile",
+        str(tmp_path / "children"),
+        *extra,
+    ]
     profile = load_profile(profiles_dir() / "tiny-cpu.yaml")
-    return EngineSupervisor(profile, port=port, argv=argv, max_restarts=max_restarts,
-                            ready_timeout=ready_timeout)
+    return EngineSupervisor(profile, port=port, argv=argv, max_restarts=max_restarts, ready_timeout=ready_timeout)
 
 
 def child_pids(tmp_path) -> list[int]:

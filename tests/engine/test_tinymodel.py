@@ -11,15 +11,21 @@ from tests.conftest import ROOT
 
 
 def digest(folder) -> dict[str, str]:
-    return {path.name: hashlib.sha256(path.read_bytes()).hexdigest()
-            for path in sorted(folder.iterdir()) if path.is_file()}
+    return {
+        path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(folder.iterdir()) if path.is_file()
+    }
 
 
 def test_tiny_model_is_deterministic_and_complete(tmp_path):
     first, second = tmp_path / "a", tmp_path / "b"
     for folder in (first, second):
-        subprocess.run([sys.executable, "-m", "server", "tiny-model", str(folder)], check=True, cwd=ROOT,
-                       capture_output=True, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+        subprocess.run(
+            [sys.executable, "-m", "server", "tiny-model", str(folder)],
+            check=True,
+            cwd=ROOT,
+            capture_output=True,
+            env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+        )
     assert digest(first) == digest(second)
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(digest(first))
     config = json.loads((first / "config.json").read_text())
@@ -42,13 +48,17 @@ sys.stdout.write(tokenizer.apply_chat_template(
 
 def test_chat_template_keeps_roles_and_tool_calls(tmp_path):
     # In a child process: transformers brings torch, which has no business in the test process.
-    subprocess.run([sys.executable, "-m", "server", "tiny-model", str(tmp_path / "m")], check=True, cwd=ROOT,
-                   capture_output=True)
-    text = subprocess.run([sys.executable, "-c", RENDER, str(tmp_path / "m")], check=True, cwd=ROOT,
-                          capture_output=True, text=True).stdout
-    assert text == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
-                    "<|im_start|>assistant\n\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n</tool_call>"
-                    "<|im_end|>\n<|im_start|>tool\nr<|im_end|>\n<|im_start|>assistant\n")
+    subprocess.run(
+        [sys.executable, "-m", "server", "tiny-model", str(tmp_path / "m")], check=True, cwd=ROOT, capture_output=True
+    )
+    text = subprocess.run(
+        [sys.executable, "-c", RENDER, str(tmp_path / "m")], check=True, cwd=ROOT, capture_output=True, text=True
+    ).stdout
+    assert text == (
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+        '<|im_start|>assistant\n\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+        "<|im_end|>\n<|im_start|>tool\nr<|im_end|>\n<|im_start|>assistant\n"
+    )
     # The Hermes format that vLLM's `hermes` tool-call parser (the tiny profiles' parser) reads:
     # one JSON object with `name` and `arguments` between the tags.
     (call,) = re.findall(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL)

@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry
 
 from server.deploy.plan import plan_deployment
 from server.gateway.app import create_app
-from server.gateway.edge.router import Gateway as GatewayApp
 from server.gateway.edge.protocol import protocol_for
+from server.gateway.edge.router import Gateway as GatewayApp
 from server.gateway.settings import GatewaySettings, ModelEngines
 from tests.standin import Standin, StandinConfig, build_app
 from tests.support import serve_in_thread
@@ -81,6 +81,7 @@ def fast_settings(models: dict[str, list[str]], **overrides: Any) -> GatewaySett
 def engines() -> Iterator[Callable[..., list[Engine]]]:
     """start(n, **StandinConfig fields) -> n stand-in engines, stopped after the test."""
     with contextlib.ExitStack() as stack:
+
         def start(n: int = 1, **config: Any) -> list[Engine]:
             config = {**FAST_ENGINE, **config}
             out = []
@@ -97,6 +98,7 @@ def gateway() -> Iterator[Callable[..., Gateway]]:
     """start(settings, **create_app kwargs) -> a gateway for settings.models, served on loopback,
     stopped after the test."""
     with contextlib.ExitStack() as stack:
+
         def start(settings: GatewaySettings, **kwargs: Any) -> Gateway:
             kwargs.setdefault("registry", CollectorRegistry())
             app = create_app(settings, plan_deployment(settings.models).served_models(), **kwargs)
@@ -106,11 +108,12 @@ def gateway() -> Iterator[Callable[..., Gateway]]:
         yield start
 
 
-def chat_body(content: str = "hello there", *, model: str = "standin", stream: bool = False,
-              **extra: Any) -> dict[str, Any]:
+def chat_body(
+    content: str = "hello there", *, model: str = "standin", stream: bool = False, **extra: Any
+) -> dict[str, Any]:
     return {"model": model, "messages": [{"role": "user", "content": content}], "stream": stream, **extra}
 
 
 def sse_events(text: str) -> list[str]:
     """The `data:` payloads of an SSE body, in order."""
-    return [block[len("data: "):] for block in text.split("\n\n") if block.startswith("data: ")]
+    return [block[len("data: ") :] for block in text.split("\n\n") if block.startswith("data: ")]

@@ -13,8 +13,12 @@ import httpx
 from server.gateway.proxy.transport import UpstreamTransport
 
 BODIES = [
-    {"model": "standin", "messages": [{"role": "user", "content": "hi"}], "stream": True,
-     "stream_options": {"include_usage": True}},
+    {
+        "model": "standin",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    },
     {"model": "standin", "messages": [{"role": "user", "content": "hi"}]},
     {"model": "standin", "prompt": "a b", "stream": True},
     {"model": "unknown", "messages": [{"role": "user", "content": "hi"}]},
@@ -27,6 +31,7 @@ async def drive(url: str, count: int, concurrency: int) -> int:
     # The gateway's own transport: httpx's default pool costs more CPU than the gateway itself.
     transport = UpstreamTransport(max_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=30, transport=transport) as client:
+
         async def worker(offset: int) -> None:
             nonlocal failures
             for i in range(offset, count, concurrency):

@@ -55,16 +55,37 @@ class SurfaceStandin:
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         query = scope.get("query_string", b"").decode()
         if path not in ("/health", "/metrics", "/v1/models"):
-            self.requests.append(Seen(method, path + ("?" + query if query else ""), headers.get("content-type", ""),
-                                      body))
+            self.requests.append(
+                Seen(method, path + ("?" + query if query else ""), headers.get("content-type", ""), body)
+            )
         if (method, path) == ("GET", "/health") or (method, path) == ("GET", "/metrics"):
             await _send(send, 200, b"", "text/plain")
         elif (method, path) == ("GET", "/v1/models"):
-            cards = [{"id": self.model, "object": "model", "created": 0, "owned_by": "vllm", "root": self.model,
-                      "parent": None, "max_model_len": 2048, "permission": []}]
-            cards += [{"id": name, "object": "model", "created": 0, "owned_by": "vllm", "root": lora_path,
-                       "parent": self.model, "max_model_len": None, "permission": []}
-                      for name, lora_path in self.adapters.items()]
+            cards = [
+                {
+                    "id": self.model,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "vllm",
+                    "root": self.model,
+                    "parent": None,
+                    "max_model_len": 2048,
+                    "permission": [],
+                }
+            ]
+            cards += [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "vllm",
+                    "root": lora_path,
+                    "parent": self.model,
+                    "max_model_len": None,
+                    "permission": [],
+                }
+                for name, lora_path in self.adapters.items()
+            ]
             await _json(send, 200, {"object": "list", "data": cards})
         elif (method, path) == ("POST", "/v1/responses"):
             await self._create(json.loads(body), send)
@@ -80,8 +101,17 @@ class SurfaceStandin:
             await _json(send, 200, {"text": f"{len(body)} bytes of {headers.get('content-type', '')}"})
         elif (method, path) == ("POST", "/v1/chat/completions"):
             request = json.loads(body)
-            await _json(send, 200, {"object": "chat.completion", "model": request.get("model"), "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]})
+            await _json(
+                send,
+                200,
+                {
+                    "object": "chat.completion",
+                    "model": request.get("model"),
+                    "choices": [
+                        {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+                    ],
+                },
+            )
         elif (method, path) == ("POST", "/v1/load_lora_adapter"):
             request = json.loads(body)
             if request["lora_name"] in self.adapters:
@@ -106,21 +136,43 @@ class SurfaceStandin:
         response_id = request.get("request_id") or f"resp_{uuid.uuid4().hex[:16]}"
         text = "".join(self.deltas)
         usage = {"input_tokens": 7, "output_tokens": len(self.deltas), "total_tokens": 7 + len(self.deltas)}
-        done = {"id": response_id, "object": "response", "model": request.get("model"), "status": "completed",
-                "previous_response_id": previous, "usage": usage,
-                "output": [{"id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
-                            "content": [{"type": "output_text", "text": text, "annotations": []}]}]}
+        done = {
+            "id": response_id,
+            "object": "response",
+            "model": request.get("model"),
+            "status": "completed",
+            "previous_response_id": previous,
+            "usage": usage,
+            "output": [
+                {
+                    "id": "msg_1",
+                    "type": "message",
+                    "role": "assistant",
+                    "status": "completed",
+                    "content": [{"type": "output_text", "text": text, "annotations": []}],
+                }
+            ],
+        }
         self.stored[response_id] = done
         if not request.get("stream"):
             await _json(send, 200, done)
             return
-        events: list[dict[str, Any]] = [{"type": "response.created", "response": dict(done, status="in_progress",
-                                                                                      usage=None, output=[])}]
-        events += [{"type": "response.output_text.delta", "item_id": "msg_1", "output_index": 0, "content_index": 0,
-                    "delta": delta, "logprobs": []} for delta in self.deltas]
+        events: list[dict[str, Any]] = [
+            {"type": "response.created", "response": dict(done, status="in_progress", usage=None, output=[])}
+        ]
+        events += [
+            {
+                "type": "response.output_text.delta",
+                "item_id": "msg_1",
+                "output_index": 0,
+                "content_index": 0,
+                "delta": delta,
+                "logprobs": [],
+            }
+            for delta in self.deltas
+        ]
         events.append({"type": "response.completed", "response": done})
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
         for number, event in enumerate(events):
             if self.die_after_events is not None and number >= self.die_after_events:
                 return  # mid-response: uvicorn drops the connection
@@ -133,18 +185,42 @@ class SurfaceStandin:
     async def _embeddings(self, request: dict[str, Any], send: Send) -> None:
         inputs = request["input"] if isinstance(request["input"], list) else [request["input"]]
         data = [{"object": "embedding", "index": i, "embedding": [0.6, 0.8]} for i in range(len(inputs))]
-        await _json(send, 200, {"object": "list", "model": request.get("model"), "data": data,
-                                "usage": {"prompt_tokens": 2 * len(inputs), "total_tokens": 2 * len(inputs)}})
+        await _json(
+            send,
+            200,
+            {
+                "object": "list",
+                "model": request.get("model"),
+                "data": data,
+                "usage": {"prompt_tokens": 2 * len(inputs), "total_tokens": 2 * len(inputs)},
+            },
+        )
 
 
 def _error(message: str, code: int = 400) -> dict[str, Any]:
-    return {"error": {"message": message, "type": "invalid_request_error" if code == 400 else "NotFoundError",
-                      "param": None, "code": code}}
+    return {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error" if code == 400 else "NotFoundError",
+            "param": None,
+            "code": code,
+        }
+    }
 
 
 async def _not_found(send: Send, response_id: str) -> None:
-    await _json(send, 404, {"error": {"message": f"Response with id '{response_id}' not found.",
-                                      "type": "invalid_request_error", "param": "response_id", "code": 404}})
+    await _json(
+        send,
+        404,
+        {
+            "error": {
+                "message": f"Response with id '{response_id}' not found.",
+                "type": "invalid_request_error",
+                "param": "response_id",
+                "code": 404,
+            }
+        },
+    )
 
 
 async def _json(send: Send, status: int, payload: Any) -> None:
@@ -152,6 +228,11 @@ async def _json(send: Send, status: int, payload: Any) -> None:
 
 
 async def _send(send: Send, status: int, body: bytes, content_type: str) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body, "more_body": False})

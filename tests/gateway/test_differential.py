@@ -49,17 +49,33 @@ def rows(chat: str, embed: str) -> list[Row]:
     return [
         Row("chat", CHAT, "/v1/chat/completions", {"model": chat, "messages": USER, "max_tokens": 3}),
         Row("chat, max_tokens < 0", CHAT, "/v1/chat/completions", {"model": chat, "messages": USER, "max_tokens": -1}),
-        Row("chat, temperature a string", CHAT, "/v1/chat/completions",
-            {"model": chat, "messages": USER, "temperature": "hot"}),
+        Row(
+            "chat, temperature a string",
+            CHAT,
+            "/v1/chat/completions",
+            {"model": chat, "messages": USER, "temperature": "hot"},
+        ),
         Row("completions", CHAT, "/v1/completions", {"model": chat, "prompt": "Once", "max_tokens": 3}),
         Row("completions, n = 0", CHAT, "/v1/completions", {"model": chat, "prompt": "Once", "n": 0}),
         Row("responses", CHAT, "/v1/responses", {"model": chat, "input": "Plan a day.", "max_output_tokens": 3}),
-        Row("responses, input messages", CHAT, "/v1/responses",
-            {"model": chat, "input": USER, "max_output_tokens": 3, "instructions": "Be brief."}),
-        Row("responses, max_output_tokens a string", CHAT, "/v1/responses",
-            {"model": chat, "input": "x", "max_output_tokens": "many"}),
-        Row("responses, unknown previous_response_id", CHAT, "/v1/responses",
-            {"model": chat, "input": "x", "previous_response_id": "resp_0123456789abcdef"}),
+        Row(
+            "responses, input messages",
+            CHAT,
+            "/v1/responses",
+            {"model": chat, "input": USER, "max_output_tokens": 3, "instructions": "Be brief."},
+        ),
+        Row(
+            "responses, max_output_tokens a string",
+            CHAT,
+            "/v1/responses",
+            {"model": chat, "input": "x", "max_output_tokens": "many"},
+        ),
+        Row(
+            "responses, unknown previous_response_id",
+            CHAT,
+            "/v1/responses",
+            {"model": chat, "input": "x", "previous_response_id": "resp_0123456789abcdef"},
+        ),
         Row("responses retrieve, unknown id", CHAT, "/v1/responses/resp_0123456789abcdef", method="GET"),
         Row("responses cancel, unknown id", CHAT, "/v1/responses/resp_0123456789abcdef/cancel", {}),
         Row("messages (Anthropic)", CHAT, "/v1/messages", {"model": chat, "max_tokens": 3, "messages": USER}),
@@ -132,8 +148,10 @@ def send(client: httpx.Client, base: str, row: Row, headers: dict[str, str]) -> 
 @pytest.fixture(scope="module")
 def gateway_url(real_engine, real_embed_engine):
     settings = GatewaySettings(auth={"api_keys_env": "TEST_DIFFERENTIAL_KEYS"})
-    models = [ServedModel(real_engine.model, [real_engine.url], real_engine.profile),
-              ServedModel(real_embed_engine.model, [real_embed_engine.url], real_embed_engine.profile)]
+    models = [
+        ServedModel(real_engine.model, [real_engine.url], real_engine.profile),
+        ServedModel(real_embed_engine.model, [real_embed_engine.url], real_embed_engine.profile),
+    ]
     app = create_app(settings, models, registry=CollectorRegistry(), environ={"TEST_DIFFERENTIAL_KEYS": KEY})
     with serve_in_thread(app) as url:
         yield url
@@ -151,8 +169,10 @@ def test_the_gateway_answers_like_the_engine(gateway_url, real_engine, real_embe
             expected = shape(direct.json()) if direct.status_code < 400 else envelope_shape(direct.json())
             got = shape(through.json()) if through.status_code < 400 else error_shape(through.json())
             if through.status_code != direct.status_code or got != expected:
-                mismatches.append(f"{row.name}: engine {direct.status_code} {json.dumps(expected)[:300]}\n"
-                                  f"    gateway {through.status_code} {json.dumps(got)[:300]}")
+                mismatches.append(
+                    f"{row.name}: engine {direct.status_code} {json.dumps(expected)[:300]}\n"
+                    f"    gateway {through.status_code} {json.dumps(got)[:300]}"
+                )
     assert not mismatches, "\n".join(mismatches)
     # The table is worth something only if it has both kinds of answer, from both engines.
     assert any(s == 200 for s in statuses.values()) and any(400 <= s < 500 for s in statuses.values())
@@ -162,29 +182,47 @@ def test_the_gateway_answers_like_the_engine(gateway_url, real_engine, real_embe
 def test_streams_have_the_engines_events(gateway_url, real_engine):
     """Streamed chat and Responses: the same event kinds in the same order (the tokens differ, and so
     may the number of delta events: bytes of an unfinished UTF-8 character wait for the next token)."""
+
     def kinds(text: str) -> list[str]:
         out: list[str] = []
         for block in text.split("\n\n"):
             data = [line[6:] for line in block.splitlines() if line.startswith("data: ")]
             if data:
                 payload = data[0]
-                kind = payload if payload == "[DONE]" else (json.loads(payload).get("type")
-                                                            or json.loads(payload).get("object"))
+                kind = (
+                    payload
+                    if payload == "[DONE]"
+                    else (json.loads(payload).get("type") or json.loads(payload).get("object"))
+                )
                 if not out or out[-1] != kind:  # runs of one kind count once
                     out.append(kind)
         return out
 
-    cases = [("/v1/chat/completions", {"model": real_engine.model, "messages": USER, "max_tokens": 4,
-                                       "stream": True, "ignore_eos": True,
-                                       "stream_options": {"include_usage": True}}),
-             ("/v1/responses", {"model": real_engine.model, "input": "x", "max_output_tokens": 4, "stream": True,
-                                "ignore_eos": True})]
+    cases = [
+        (
+            "/v1/chat/completions",
+            {
+                "model": real_engine.model,
+                "messages": USER,
+                "max_tokens": 4,
+                "stream": True,
+                "ignore_eos": True,
+                "stream_options": {"include_usage": True},
+            },
+        ),
+        (
+            "/v1/responses",
+            {"model": real_engine.model, "input": "x", "max_output_tokens": 4, "stream": True, "ignore_eos": True},
+        ),
+    ]
     with httpx.Client(timeout=120) as client:
         for path, body in cases:
             direct = client.post(real_engine.url + path, json=body)
             through = client.post(gateway_url + path, json=body, headers={"authorization": f"Bearer {KEY}"})
-            assert (through.status_code, through.headers["content-type"]) == (direct.status_code,
-                                                                             direct.headers["content-type"])
+            assert (through.status_code, through.headers["content-type"]) == (
+                direct.status_code,
+                direct.headers["content-type"],
+            )
             assert kinds(through.text) == kinds(direct.text), path
             assert shape(last_event(through.text)) == shape(last_event(direct.text)), path
 

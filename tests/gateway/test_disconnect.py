@@ -18,8 +18,11 @@ def wait_until_aborted(engine) -> dict:
 
     Only the client's leaving can end a request this early: the engine would generate for 2 minutes.
     """
-    wait_for(lambda: engine.stats()["running"] == 0, timeout=ABORT_WITHIN,
-             what=lambda: f"engine still busy {ABORT_WITHIN:g} s after the client left: {engine.stats()}")
+    wait_for(
+        lambda: engine.stats()["running"] == 0,
+        timeout=ABORT_WITHIN,
+        what=lambda: f"engine still busy {ABORT_WITHIN:g} s after the client left: {engine.stats()}",
+    )
     stats = engine.stats()
     assert stats["aborted"] == 1 and stats["finished"] == 0, stats
     return stats
@@ -65,6 +68,7 @@ def test_after_a_disconnect_the_engine_slot_and_connection_pool_recover(engines,
         wait_for(lambda: engine.stats()["started"] == 1)
     wait_until_aborted(engine)
     wait_for(lambda: gw.engine("standin").outstanding == 0)  # released on the gateway's own thread
-    response = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body(standin={"tokens": 2, "itl_ms": 1}),
-                          timeout=10)
+    response = httpx.post(
+        f"{gw.url}/v1/chat/completions", json=chat_body(standin={"tokens": 2, "itl_ms": 1}), timeout=10
+    )
     assert response.status_code == 200

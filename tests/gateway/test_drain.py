@@ -40,10 +40,13 @@ def test_sigterm_during_20_streams_finishes_every_stream_and_accepts_nothing_new
     log = (tmp_path / "gateway.log").open("w")
     gateway = subprocess.Popen(
         [sys.executable, "-m", "server", "serve", "--upstream", f"standin={engine.url}", "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, env={k: v for k, v in os.environ.items() if k != "GATEWAY_API_KEYS"},  # an open gateway
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={k: v for k, v in os.environ.items() if k != "GATEWAY_API_KEYS"},  # an open gateway
     )
     results: list[str] = []
     try:
+
         def up() -> bool:
             if gateway.poll() is not None:
                 log.flush()
@@ -58,8 +61,12 @@ def test_sigterm_during_20_streams_finishes_every_stream_and_accepts_nothing_new
                 with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as response:
                     text = "".join(response.iter_text())
                 events = sse_events(text)
-                ok = response.status_code == 200 and events[-1:] == ["[DONE]"] and not any(
-                    '"error"' in event for event in events) and len(events) == 1 + TOKENS + 1
+                ok = (
+                    response.status_code == 200
+                    and events[-1:] == ["[DONE]"]
+                    and not any('"error"' in event for event in events)
+                    and len(events) == 1 + TOKENS + 1
+                )
                 results.append("ok" if ok else f"{response.status_code}: {text[-300:]}")
             except httpx.HTTPError as exc:
                 results.append(f"{type(exc).__name__}: {exc}")

@@ -22,8 +22,9 @@ def test_connection_refused_fails_over_and_marks_the_engine_down(engines, gatewa
     with refusing_port() as port:  # held for the whole test: no other process can serve it meanwhile
         dead = f"http://127.0.0.1:{port}"
         # Round robin gives the dead replica its turn whatever a smarter policy would prefer.
-        gw = gateway(fast_settings({"standin": [dead, live.url]}, health={"interval": 60},
-                                   routing={"policy": "round_robin"}))
+        gw = gateway(
+            fast_settings({"standin": [dead, live.url]}, health={"interval": 60}, routing={"policy": "round_robin"})
+        )
         dead_engine = gw.engine("standin", 0)
         dead_engine.healthy = True  # as if the first health check had passed before it died
         for _ in range(4):
@@ -108,8 +109,9 @@ def black_hole() -> Iterator[int]:
 
 def test_connect_timeout_answers_504(gateway):
     with black_hole() as port:
-        gw = gateway(fast_settings({"standin": [f"http://127.0.0.1:{port}"]}, timeouts={"connect": 0.2},
-                                   health={"interval": 60}))
+        gw = gateway(
+            fast_settings({"standin": [f"http://127.0.0.1:{port}"]}, timeouts={"connect": 0.2}, health={"interval": 60})
+        )
         gw.engine("standin").healthy = True
         response = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body(), timeout=HANG)
     assert response.status_code == 504
@@ -122,8 +124,11 @@ def test_first_byte_timeout_answers_504_and_aborts_the_engine_request(engines, g
     gw = gateway(fast_settings({"standin": [engine.url]}, timeouts={"first_byte": 0.3}))
     for stream in (True, False):
         started = time.perf_counter()
-        response = httpx.post(f"{gw.url}/v1/chat/completions", timeout=HANG,
-                              json=chat_body(stream=stream, standin={"first_byte_delay_s": 4 * HANG}))
+        response = httpx.post(
+            f"{gw.url}/v1/chat/completions",
+            timeout=HANG,
+            json=chat_body(stream=stream, standin={"first_byte_delay_s": 4 * HANG}),
+        )
         took = time.perf_counter() - started
         assert response.status_code == 504, response.text
         assert took > 0.25  # not before the timeout; the engine's first byte would have come after 4 * HANG

@@ -30,8 +30,14 @@ def _rss_bytes() -> int:
 
 def _drive(url: str, count: int) -> int:
     """Failures among `count` requests sent by tests.gateway.drive in its own process."""
-    done = subprocess.run([sys.executable, "-m", "tests.gateway.drive", url, str(count), str(CONCURRENCY)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, check=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.gateway.drive", url, str(count), str(CONCURRENCY)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        check=True,
+    )
     return int(done.stdout.strip())
 
 

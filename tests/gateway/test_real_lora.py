@@ -29,8 +29,9 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def lora_engine(tmp_path_factory):
-    yield from running_engine(ROOT / "configs/profiles/tiny-cpu-lora.yaml", tmp_path_factory.mktemp("lora"),
-                              reuse_env="TEST_LORA_ENGINE_URL")
+    yield from running_engine(
+        ROOT / "configs/profiles/tiny-cpu-lora.yaml", tmp_path_factory.mktemp("lora"), reuse_env="TEST_LORA_ENGINE_URL"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -47,16 +48,21 @@ def test_the_adapter_is_listed_and_served_only_where_it_is(gateway_url):
         assert listed == {"tiny": None, "tiny-travel": "tiny"}
         # Least-outstanding would alternate between the two replicas; the one without the adapter
         # would answer 404. Every answer is the adapter's.
-        texts = {client.completions.create(model="tiny-travel", prompt="Plan a day", max_tokens=6,
-                                           extra_body=GREEDY).choices[0].text for _ in range(4)}
+        texts = {
+            client.completions.create(model="tiny-travel", prompt="Plan a day", max_tokens=6, extra_body=GREEDY)
+            .choices[0]
+            .text
+            for _ in range(4)
+        }
         base = client.completions.create(model="tiny", prompt="Plan a day", max_tokens=6, extra_body=GREEDY)
     assert len(texts) == 1 and base.choices[0].text not in texts  # greedy: one answer, not the base model's
 
 
 def test_runtime_load_reaches_every_replica(gateway_url, lora_engine):
     body = {"model": "tiny", "lora_name": "tiny-travel-runtime", "lora_path": str(ROOT / ".cache/tiny-lora")}
-    answer = httpx.post(f"{gateway_url}/v1/load_lora_adapter", json=body,
-                        headers={"authorization": f"Bearer {ADMIN}"}, timeout=120)
+    answer = httpx.post(
+        f"{gateway_url}/v1/load_lora_adapter", json=body, headers={"authorization": f"Bearer {ADMIN}"}, timeout=120
+    )
     # The chat engine runs without LoRA: vLLM has no such endpoint there (404); the LoRA engine loads it.
     assert answer.status_code == 404, answer.text
     message = answer.json()["error"]["message"]
@@ -64,9 +70,12 @@ def test_runtime_load_reaches_every_replica(gateway_url, lora_engine):
     with openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
         for _ in range(3):  # routed to the replica that loaded it, and only there
             client.completions.create(model="tiny-travel-runtime", prompt="x", max_tokens=2)
-    unload = httpx.post(f"{gateway_url}/v1/unload_lora_adapter", json={"model": "tiny",
-                                                                       "lora_name": "tiny-travel-runtime"},
-                        headers={"authorization": f"Bearer {ADMIN}"}, timeout=120)
+    unload = httpx.post(
+        f"{gateway_url}/v1/unload_lora_adapter",
+        json={"model": "tiny", "lora_name": "tiny-travel-runtime"},
+        headers={"authorization": f"Bearer {ADMIN}"},
+        timeout=120,
+    )
     assert unload.status_code == 404  # again: the chat engine has no endpoint for it
     models = httpx.get(f"{gateway_url}/v1/models", timeout=10).json()["data"]
     assert "tiny-travel-runtime" not in [m["id"] for m in models]

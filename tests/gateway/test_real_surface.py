@@ -29,8 +29,10 @@ POLL_DEADLINE_S = 120.0
 @pytest.fixture(scope="module")
 def gateway_url(real_engine, real_embed_engine):
     settings = GatewaySettings(auth={"api_keys_env": "TEST_SURFACE_KEYS"})
-    models = [ServedModel(real_engine.model, [real_engine.url], real_engine.profile),
-              ServedModel(real_embed_engine.model, [real_embed_engine.url], real_embed_engine.profile)]
+    models = [
+        ServedModel(real_engine.model, [real_engine.url], real_engine.profile),
+        ServedModel(real_embed_engine.model, [real_embed_engine.url], real_embed_engine.profile),
+    ]
     app = create_app(settings, models, registry=CollectorRegistry(), environ={"TEST_SURFACE_KEYS": KEY})
     with serve_in_thread(app) as url:
         yield url
@@ -51,8 +53,11 @@ def root_client(gateway_url):
 
 def samples(gateway_url: str) -> dict[str, float]:
     text = httpx.get(f"{gateway_url}/metrics", timeout=10).text
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line and not line.startswith("#")}
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
 
 
 def test_models_lists_both_engines(client, real_engine, real_embed_engine):
@@ -63,13 +68,19 @@ def test_models_lists_both_engines(client, real_engine, real_embed_engine):
 
 
 def test_responses_plain_then_previous_response_id_then_retrieve(client, real_engine, gateway_url):
-    first = client.responses.create(model=real_engine.model, input="Plan a day in Lisbon.", max_output_tokens=4,
-                                    extra_body=NO_EOS)
+    first = client.responses.create(
+        model=real_engine.model, input="Plan a day in Lisbon.", max_output_tokens=4, extra_body=NO_EOS
+    )
     assert first.object == "response" and first.usage is not None and first.usage.output_tokens == 4
     assert first.output_text  # four tokens of gibberish
     assert token_of(first.id) is not None  # the gateway chose it: it names the engine that stored it
-    follow = client.responses.create(model=real_engine.model, input="And the evening?", max_output_tokens=4,
-                                     previous_response_id=first.id, extra_body=NO_EOS)
+    follow = client.responses.create(
+        model=real_engine.model,
+        input="And the evening?",
+        max_output_tokens=4,
+        previous_response_id=first.id,
+        extra_body=NO_EOS,
+    )
     assert follow.previous_response_id == first.id
     assert follow.usage is not None and follow.usage.input_tokens > first.usage.input_tokens  # the history came along
     again = client.responses.retrieve(first.id)
@@ -81,8 +92,11 @@ def test_responses_plain_then_previous_response_id_then_retrieve(client, real_en
 
 def test_responses_streamed_with_ttft_and_counts_by_endpoint(client, real_engine, gateway_url):
     before = samples(gateway_url)
-    events = list(client.responses.create(model=real_engine.model, input="Plan a day.", max_output_tokens=5,
-                                          stream=True, extra_body=NO_EOS))
+    events = list(
+        client.responses.create(
+            model=real_engine.model, input="Plan a day.", max_output_tokens=5, stream=True, extra_body=NO_EOS
+        )
+    )
     kinds = [e.type for e in events]
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
@@ -95,6 +109,7 @@ def test_responses_streamed_with_ttft_and_counts_by_endpoint(client, real_engine
     def settled() -> bool:
         after = samples(gateway_url)
         return after.get(count, 0) == before.get(count, 0) + 1
+
     deadline = time.monotonic() + POLL_DEADLINE_S
     while not settled():
         assert time.monotonic() < deadline, "the request was never counted"
@@ -106,8 +121,9 @@ def test_responses_streamed_with_ttft_and_counts_by_endpoint(client, real_engine
 
 
 def test_background_responses_are_retrieved_from_their_engine(client, real_engine):
-    queued = client.responses.create(model=real_engine.model, input="Plan a week.", max_output_tokens=3,
-                                     background=True, extra_body=NO_EOS)
+    queued = client.responses.create(
+        model=real_engine.model, input="Plan a week.", max_output_tokens=3, background=True, extra_body=NO_EOS
+    )
     assert queued.status in ("queued", "in_progress", "completed")
     deadline = time.monotonic() + POLL_DEADLINE_S
     done = client.responses.retrieve(queued.id)
@@ -134,14 +150,14 @@ def test_tokenize_and_detokenize_round_trip(root_client, real_engine, real_embed
     for model in (real_engine.model, real_embed_engine.model):
         tokens: Any = root_client.post("/tokenize", body={"model": model, "prompt": "Plan a trip"}, cast_to=object)
         assert tokens["count"] == len(tokens["tokens"]) > 0
-        text: Any = root_client.post("/detokenize", body={"model": model, "tokens": tokens["tokens"]},
-                                     cast_to=object)
+        text: Any = root_client.post("/detokenize", body={"model": model, "tokens": tokens["tokens"]}, cast_to=object)
         assert text["prompt"] == "Plan a trip"
 
 
 def test_pooling_endpoints_of_the_embedding_engine(root_client, real_embed_engine):
-    pooled: Any = root_client.post("/pooling", body={"model": real_embed_engine.model, "input": "hello"},
-                                   cast_to=object)
+    pooled: Any = root_client.post(
+        "/pooling", body={"model": real_embed_engine.model, "input": "hello"}, cast_to=object
+    )
     assert pooled["data"] and pooled["usage"]["prompt_tokens"] > 0
 
 

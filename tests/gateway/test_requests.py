@@ -21,43 +21,152 @@ BAD_REQUESTS = [
     ("empty body", "/v1/chat/completions", "POST", b"", 400, "invalid_json", None),
     ("array body", "/v1/chat/completions", "POST", [1, 2], 400, "invalid_json", None),
     ("string body", "/v1/completions", "POST", "hello", 400, "invalid_json", None),
-    ("missing model", "/v1/chat/completions", "POST", {"messages": MESSAGES}, 400, "missing_required_parameter",
-     "model"),
-    ("model not a string", "/v1/chat/completions", "POST", {"model": 7, "messages": MESSAGES}, 400, "invalid_type",
-     "model"),
-    ("empty model", "/v1/chat/completions", "POST", {"model": "", "messages": MESSAGES}, 400, "invalid_value",
-     "model"),
-    ("missing messages", "/v1/chat/completions", "POST", {"model": "standin"}, 400, "missing_required_parameter",
-     "messages"),
-    ("messages not a list", "/v1/chat/completions", "POST", {"model": "standin", "messages": "hi"}, 400,
-     "invalid_type", "messages"),
-    ("no messages", "/v1/chat/completions", "POST", {"model": "standin", "messages": []}, 400, "invalid_value",
-     "messages"),
-    ("message not an object", "/v1/chat/completions", "POST", {"model": "standin", "messages": ["hi"]}, 400,
-     "invalid_type", "messages[0]"),
-    ("message without role", "/v1/chat/completions", "POST", {"model": "standin", "messages": [{"content": "x"}]},
-     400, "invalid_type", "messages[0].role"),
-    ("stream not a bool", "/v1/chat/completions", "POST", {"model": "standin", "messages": MESSAGES,
-                                                           "stream": "yes"}, 400, "invalid_type", "stream"),
-    ("stream_options not an object", "/v1/chat/completions", "POST",
-     {"model": "standin", "messages": MESSAGES, "stream": True, "stream_options": True}, 400, "invalid_type",
-     "stream_options"),
-    ("include_usage not a bool", "/v1/chat/completions", "POST",
-     {"model": "standin", "messages": MESSAGES, "stream": True, "stream_options": {"include_usage": "y"}}, 400,
-     "invalid_type", "stream_options.include_usage"),
-    ("user not a string", "/v1/chat/completions", "POST", {"model": "standin", "messages": MESSAGES, "user": 5},
-     400, "invalid_type", "user"),
+    (
+        "missing model",
+        "/v1/chat/completions",
+        "POST",
+        {"messages": MESSAGES},
+        400,
+        "missing_required_parameter",
+        "model",
+    ),
+    (
+        "model not a string",
+        "/v1/chat/completions",
+        "POST",
+        {"model": 7, "messages": MESSAGES},
+        400,
+        "invalid_type",
+        "model",
+    ),
+    ("empty model", "/v1/chat/completions", "POST", {"model": "", "messages": MESSAGES}, 400, "invalid_value", "model"),
+    (
+        "missing messages",
+        "/v1/chat/completions",
+        "POST",
+        {"model": "standin"},
+        400,
+        "missing_required_parameter",
+        "messages",
+    ),
+    (
+        "messages not a list",
+        "/v1/chat/completions",
+        "POST",
+        {"model": "standin", "messages": "hi"},
+        400,
+        "invalid_type",
+        "messages",
+    ),
+    (
+        "no messages",
+        "/v1/chat/completions",
+        "POST",
+        {"model": "standin", "messages": []},
+        400,
+        "invalid_value",
+        "messages",
+    ),
+    (
+        "message not an object",
+        "/v1/chat/completions",
+        "POST",
+        {"model": "standin", "messages": ["hi"]},
+        400,
+        "invalid_type",
+        "messages[0]",
+    ),
+    (
+        "message without role",
+        "/v1/chat/completions",
+        "POST",
+        {"model": "standin", "messages": [{"content": "x"}]},
+        400,
+        "invalid_type",
+        "messages[0].role",
+    ),
+    (
+        "stream not a bool",
+        "/v1/chat/completions",
+        "POST",
+        {"model": "standin", "messages": MESSAGES, "stream": "yes"},
+        400,
+        "invalid_type",
+        "stream",
+    ),
+    (
+        "stream_options not an object",
+        "/v1/chat/completions",
+        "POST",
+        {"model": "standin", "messages": MESSAGES, "stream": True, "stream_options": True},
+        400,
+        "invalid_type",
+        "stream_options",
+    ),
+    (
+        "include_usage not a bool",
+        "/v1/chat/completions",
+        "POST",
+        {"model": "standin", "messages": MESSAGES, "stream": True, "stream_options": {"include_usage": "y"}},
+        400,
+        "invalid_type",
+        "stream_options.include_usage",
+    ),
+    (
+        "user not a string",
+        "/v1/chat/completions",
+        "POST",
+        {"model": "standin", "messages": MESSAGES, "user": 5},
+        400,
+        "invalid_type",
+        "user",
+    ),
     ("missing prompt", "/v1/completions", "POST", {"model": "standin"}, 400, "missing_required_parameter", "prompt"),
-    ("prompt not text", "/v1/completions", "POST", {"model": "standin", "prompt": {"a": 1}}, 400, "invalid_type",
-     "prompt"),
-    ("empty prompt list", "/v1/completions", "POST", {"model": "standin", "prompt": []}, 400, "invalid_value",
-     "prompt"),
-    ("body too large", "/v1/chat/completions", "POST",
-     {"model": "standin", "messages": [{"role": "user", "content": "x" * LIMIT}]}, 413, "request_too_large", None),
-    ("unknown model", "/v1/chat/completions", "POST", {"model": "gpt-9", "messages": MESSAGES}, 404,
-     "model_not_found", "model"),
-    ("unknown model (completions)", "/v1/completions", "POST", {"model": "gpt-9", "prompt": "x"}, 404,
-     "model_not_found", "model"),
+    (
+        "prompt not text",
+        "/v1/completions",
+        "POST",
+        {"model": "standin", "prompt": {"a": 1}},
+        400,
+        "invalid_type",
+        "prompt",
+    ),
+    (
+        "empty prompt list",
+        "/v1/completions",
+        "POST",
+        {"model": "standin", "prompt": []},
+        400,
+        "invalid_value",
+        "prompt",
+    ),
+    (
+        "body too large",
+        "/v1/chat/completions",
+        "POST",
+        {"model": "standin", "messages": [{"role": "user", "content": "x" * LIMIT}]},
+        413,
+        "request_too_large",
+        None,
+    ),
+    (
+        "unknown model",
+        "/v1/chat/completions",
+        "POST",
+        {"model": "gpt-9", "messages": MESSAGES},
+        404,
+        "model_not_found",
+        "model",
+    ),
+    (
+        "unknown model (completions)",
+        "/v1/completions",
+        "POST",
+        {"model": "gpt-9", "prompt": "x"},
+        404,
+        "model_not_found",
+        "model",
+    ),
     ("unknown model card", "/v1/models/gpt-9", "GET", None, 404, "model_not_found", "model"),
     ("unknown path", "/v1/embeddings", "POST", {"model": "standin", "input": "x"}, 404, "not_found", None),
     ("wrong method", "/v1/chat/completions", "GET", None, 405, "method_not_allowed", None),
@@ -119,8 +228,9 @@ def test_chat_completions_and_models_pass_through(engines, gateway):
     completion = httpx.post(f"{gw.url}/v1/completions", json={"model": "standin", "prompt": "a b c", "max_tokens": 2})
     assert completion.json()["object"] == "text_completion"
 
-    streamed = httpx.post(f"{gw.url}/v1/chat/completions",
-                          json=chat_body(stream=True, stream_options={"include_usage": True}))
+    streamed = httpx.post(
+        f"{gw.url}/v1/chat/completions", json=chat_body(stream=True, stream_options={"include_usage": True})
+    )
     assert streamed.headers["content-type"].startswith("text/event-stream")
     events = sse_events(streamed.text)
     assert events[-1] == "[DONE]"
@@ -129,8 +239,10 @@ def test_chat_completions_and_models_pass_through(engines, gateway):
 
 def test_request_ids_round_trip_to_the_engine_and_back(engines, gateway, caplog):
     (engine,) = engines(1)
-    gw = gateway(fast_settings({"standin": [engine.url]}), log_request=lambda **f: logging.getLogger(
-        "test.access").info("%s", json.dumps(f)))
+    gw = gateway(
+        fast_settings({"standin": [engine.url]}),
+        log_request=lambda **f: logging.getLogger("test.access").info("%s", json.dumps(f)),
+    )
     with caplog.at_level(logging.INFO, logger="test.access"):
         response = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body(), headers={"x-request-id": "req-42"})
         assert response.headers["x-request-id"] == "req-42"
@@ -157,11 +269,15 @@ def test_request_ids_round_trip_to_the_engine_and_back(engines, gateway, caplog)
 
 def test_api_keys_with_the_openai_sdk(engines, gateway, caplog):
     (engine,) = engines(1)
-    gw = gateway(fast_settings({"standin": [engine.url]}, auth={"api_keys_env": "TEST_GW_KEYS"}),
-                 environ={"TEST_GW_KEYS": "sk-good-1,sk-good-2"})
-    with caplog.at_level(logging.DEBUG), \
-            openai.OpenAI(base_url=f"{gw.url}/v1", api_key="sk-good-2", max_retries=0) as good, \
-            openai.OpenAI(base_url=f"{gw.url}/v1", api_key="sk-wrong-key", max_retries=0) as bad:
+    gw = gateway(
+        fast_settings({"standin": [engine.url]}, auth={"api_keys_env": "TEST_GW_KEYS"}),
+        environ={"TEST_GW_KEYS": "sk-good-1,sk-good-2"},
+    )
+    with (
+        caplog.at_level(logging.DEBUG),
+        openai.OpenAI(base_url=f"{gw.url}/v1", api_key="sk-good-2", max_retries=0) as good,
+        openai.OpenAI(base_url=f"{gw.url}/v1", api_key="sk-wrong-key", max_retries=0) as bad,
+    ):
         assert good.chat.completions.create(model="standin", messages=MESSAGES).choices
         with pytest.raises(openai.AuthenticationError) as info:
             bad.chat.completions.create(model="standin", messages=MESSAGES)
@@ -180,8 +296,10 @@ def test_api_keys_with_the_openai_sdk(engines, gateway, caplog):
 
 def test_ops_endpoints_can_be_protected_too(engines, gateway):
     (engine,) = engines(1)
-    gw = gateway(fast_settings({"standin": [engine.url]}, auth={"api_keys_env": "K", "protect_ops_endpoints": True}),
-                 environ={"K": "sk-ops"})
+    gw = gateway(
+        fast_settings({"standin": [engine.url]}, auth={"api_keys_env": "K", "protect_ops_endpoints": True}),
+        environ={"K": "sk-ops"},
+    )
     assert httpx.get(f"{gw.url}/metrics").status_code == 401
     assert httpx.get(f"{gw.url}/metrics", headers={"authorization": "Bearer sk-ops"}).status_code == 200
 
@@ -202,8 +320,11 @@ def test_metrics_count_requests_first_tokens_and_usage(engines, gateway):
 
     def scrape() -> tuple[str, dict[str, float]] | None:
         text = httpx.get(f"{gw.url}/metrics").text
-        samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line and not line.startswith("#")}
+        samples = {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line and not line.startswith("#")
+        }
         counted = sum(v for k, v in samples.items() if k.startswith("gateway_requests_total{"))
         return (text, samples) if counted >= 3 else None  # each is counted just after its response
 

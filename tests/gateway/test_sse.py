@@ -21,20 +21,23 @@ USAGE = {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}
 LAST = event({"choices": [], "usage": USAGE})
 
 
-@pytest.mark.parametrize(("chunk", "expected"), [
-    (ROLE, False),
-    (TOKEN, True),
-    (ROLE + TOKEN, True),
-    (b'data: {"choices":[{"delta":{"content": "x"}}]}\n\n', True),  # a space after the colon
-    (b'data: {"choices":[{"delta":{"content":null}}]}\n\n', False),
-    (b'data: {"choices":[{"delta":{"reasoning_content":"hmm"}}]}\n\n', True),
-    (b'data: {"choices":[{"text":"","index":0}]}\n\n', False),
-    (b'data: {"choices":[{"text":" word","index":0}]}\n\n', True),
-    (b'data: {"choices":[{"delta":{"tool_calls":[{"index":0,"id":"c1"}]}}]}\n\n', True),
-    (b'data: {"choices":[{"delta":{"tool_calls":[]}}]}\n\n', False),
-    (LAST, False),
-    (b"data: [DONE]\n\n", False),
-])
+@pytest.mark.parametrize(
+    ("chunk", "expected"),
+    [
+        (ROLE, False),
+        (TOKEN, True),
+        (ROLE + TOKEN, True),
+        (b'data: {"choices":[{"delta":{"content": "x"}}]}\n\n', True),  # a space after the colon
+        (b'data: {"choices":[{"delta":{"content":null}}]}\n\n', False),
+        (b'data: {"choices":[{"delta":{"reasoning_content":"hmm"}}]}\n\n', True),
+        (b'data: {"choices":[{"text":"","index":0}]}\n\n', False),
+        (b'data: {"choices":[{"text":" word","index":0}]}\n\n', True),
+        (b'data: {"choices":[{"delta":{"tool_calls":[{"index":0,"id":"c1"}]}}]}\n\n', True),
+        (b'data: {"choices":[{"delta":{"tool_calls":[]}}]}\n\n', False),
+        (LAST, False),
+        (b"data: [DONE]\n\n", False),
+    ],
+)
 def test_has_token(chunk, expected):
     assert has_token(chunk) is expected
 

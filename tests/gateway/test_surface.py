@@ -22,6 +22,7 @@ from tests.support import refusing_port, serve_in_thread, wait_for
 def standins() -> Iterator[Callable[..., list[tuple[str, SurfaceStandin]]]]:
     """start(n, **SurfaceStandin fields) -> n running stand-ins as (url, app)."""
     with contextlib.ExitStack() as stack:
+
         def start(n: int = 1, **config: Any) -> list[tuple[str, SurfaceStandin]]:
             apps = [SurfaceStandin(**config) for _ in range(n)]
             return [(stack.enter_context(serve_in_thread(app)), app) for app in apps]
@@ -54,8 +55,9 @@ def test_response_ids_name_the_engine_and_everything_after_goes_there(standins, 
         owner_engine = gw.engine("standin", 0 if owner is a else 1)
         assert token_of(response_id) == engine_token(owner_engine)  # the client's request_id was replaced
         for _ in range(6):  # least-outstanding would alternate; the stored response pins every one
-            follow = client.post("/v1/responses", json={"model": "standin", "input": "and?",
-                                                        "previous_response_id": response_id})
+            follow = client.post(
+                "/v1/responses", json={"model": "standin", "input": "and?", "previous_response_id": response_id}
+            )
             assert follow.status_code == 200, follow.text
             assert token_of(follow.json()["id"]) == engine_token(owner_engine)
         retrieved = client.get(f"/v1/responses/{response_id}")
@@ -86,8 +88,11 @@ def test_unknown_and_orphaned_response_ids_are_404_in_the_envelope(standins, gat
             assert answer.status_code == 404
             assert answer.json()["error"]["code"] == "response_not_found"
             assert answer.json()["error"]["param"] == "response_id"
-        follow = httpx.post(f"{gw.url}/v1/responses", json={"model": "standin", "input": "x",
-                                                            "previous_response_id": foreign}, timeout=10)
+        follow = httpx.post(
+            f"{gw.url}/v1/responses",
+            json={"model": "standin", "input": "x", "previous_response_id": foreign},
+            timeout=10,
+        )
         assert follow.status_code == 404 and follow.json()["error"]["param"] == "previous_response_id"
         # An id the dead engine made: its engine is gone, and with it the response.
         orphan = f"resp_{engine_token(gw.engine('other'))}-{'0' * 32}"
@@ -100,8 +105,9 @@ def test_streamed_responses_measure_ttft_and_usage(standins, gateway):
     ((url, _),) = standins(1, event_delay_s=0.05)
     registry = CollectorRegistry()
     gw = gateway(fast_settings({"standin": [url]}), registry=registry)
-    with httpx.stream("POST", f"{gw.url}/v1/responses", json={"model": "standin", "input": "hi", "stream": True},
-                      timeout=10) as answer:
+    with httpx.stream(
+        "POST", f"{gw.url}/v1/responses", json={"model": "standin", "input": "hi", "stream": True}, timeout=10
+    ) as answer:
         text = answer.read().decode()
     assert [e["type"] for e in events(text)][-1] == "response.completed"
     wait_for(lambda: metric(registry, 'gateway_endpoint_requests_total{code="200",endpoint="responses"}') == 1)
@@ -116,13 +122,18 @@ def test_streamed_responses_measure_ttft_and_usage(standins, gateway):
 def test_an_engine_dying_mid_stream_ends_a_responses_stream_with_an_error_event(standins, gateway):
     ((url, _),) = standins(1, die_after_events=3)
     gw = gateway(fast_settings({"standin": [url]}))
-    with httpx.stream("POST", f"{gw.url}/v1/responses", json={"model": "standin", "input": "hi", "stream": True},
-                      timeout=10) as answer:
+    with httpx.stream(
+        "POST", f"{gw.url}/v1/responses", json={"model": "standin", "input": "hi", "stream": True}, timeout=10
+    ) as answer:
         assert answer.status_code == 200
         text = answer.read().decode()
     got = events(text)
-    assert [e["type"] for e in got] == ["response.created", "response.output_text.delta",
-                                        "response.output_text.delta", "error"]
+    assert [e["type"] for e in got] == [
+        "response.created",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "error",
+    ]
     assert got[-1]["code"] == "upstream_failed" and got[-1]["sequence_number"] == 3
     assert text.endswith("\n\n") and "[DONE]" not in text  # Responses streams have no [DONE]
     assert "event: error\n" in text
@@ -147,16 +158,18 @@ def test_an_endpoint_the_engine_does_not_serve_is_its_404_in_the_envelope(standi
     gw = gateway(fast_settings({"standin": [url]}))
     answer = httpx.post(f"{gw.url}/v1/rerank", json={"model": "standin", "query": "q", "documents": ["d"]})
     assert answer.status_code == 404
-    assert answer.json() == {"error": {"message": "Not Found", "type": "invalid_request_error", "param": None,
-                                       "code": "not_found"}}
+    assert answer.json() == {
+        "error": {"message": "Not Found", "type": "invalid_request_error", "param": None, "code": "not_found"}
+    }
 
 
 def test_uploads_are_routed_by_their_form_field_and_forwarded_untouched(standins, gateway):
     ((a_url, a), (b_url, b)) = standins(1, model="a") + standins(1, model="b")
     gw = gateway(fast_settings({"a": [a_url], "b": [b_url]}, limits={"max_upload_bytes": 64 * 1024}))
     files = {"file": ("clip.wav", b"RIFF" + bytes(2000), "audio/wav")}
-    answer = httpx.post(f"{gw.url}/v1/audio/transcriptions", data={"model": "b", "language": "en"}, files=files,
-                        timeout=10)
+    answer = httpx.post(
+        f"{gw.url}/v1/audio/transcriptions", data={"model": "b", "language": "en"}, files=files, timeout=10
+    )
     assert answer.status_code == 200, answer.text
     (seen,) = b.requests
     assert not a.requests
@@ -212,8 +225,9 @@ def test_runtime_load_and_unload_reach_every_replica_behind_the_admin_key(standi
     assert "travel" in [m["id"] for m in httpx.get(f"{gw.url}/v1/models").json()["data"]]
     again = httpx.post(url, json=load, headers=admin, timeout=10)  # the engines refuse a second load
     assert again.status_code == 400 and again.json()["error"]["code"] == "fan_out_failed"
-    unload = httpx.post(f"{gw.url}/v1/unload_lora_adapter", json={"model": "standin", "lora_name": "travel"},
-                        headers=admin, timeout=10)
+    unload = httpx.post(
+        f"{gw.url}/v1/unload_lora_adapter", json={"model": "standin", "lora_name": "travel"}, headers=admin, timeout=10
+    )
     assert unload.status_code == 200 and a.adapters == b.adapters == {}
     assert "travel" not in [m["id"] for m in httpx.get(f"{gw.url}/v1/models").json()["data"]]
 
@@ -221,7 +235,8 @@ def test_runtime_load_and_unload_reach_every_replica_behind_the_admin_key(standi
 def test_without_admin_keys_runtime_lora_is_refused(standins, gateway):
     ((url, engine),) = standins(1)
     gw = gateway(fast_settings({"standin": [url]}), environ={})
-    answer = httpx.post(f"{gw.url}/v1/load_lora_adapter", json={"model": "standin", "lora_name": "x",
-                                                                "lora_path": "/x"})
+    answer = httpx.post(
+        f"{gw.url}/v1/load_lora_adapter", json={"model": "standin", "lora_name": "x", "lora_path": "/x"}
+    )
     assert answer.status_code == 403 and answer.json()["error"]["code"] == "permission_denied"
     assert not engine.requests

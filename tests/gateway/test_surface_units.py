@@ -36,10 +36,26 @@ from server.gateway.proxy.streams import RESPONSES, responses_has_token
 
 def test_every_path_of_the_issue_is_in_the_table_once_per_method():
     paths = {(e.method, e.path) for e in ENDPOINTS}
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/responses/{response_id}/cancel",
-                 "/v1/embeddings", "/tokenize", "/detokenize", "/score", "/v1/score", "/rerank", "/v1/rerank",
-                 "/v2/rerank", "/pooling", "/classify", "/v1/audio/transcriptions", "/v1/audio/translations",
-                 "/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+    for path in (
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/responses/{response_id}/cancel",
+        "/v1/embeddings",
+        "/tokenize",
+        "/detokenize",
+        "/score",
+        "/v1/score",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+        "/pooling",
+        "/classify",
+        "/v1/audio/transcriptions",
+        "/v1/audio/translations",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+    ):
         assert ("POST", path) in paths
     assert ("GET", "/v1/responses/{response_id}") in paths
     assert len(paths) == len(ENDPOINTS)
@@ -70,10 +86,17 @@ def multipart(boundary: str, *parts: tuple[str, str | None, bytes]) -> bytes:
 
 
 def test_form_fields_skip_files_and_take_the_first_value():
-    body = multipart("XyZ", ("file", "model.wav", b'name="model"\r\n\r\nfake'), ("model", None, b"whisper"),
-                     ("stream", None, b"true"), ("model", None, b"second"))
+    body = multipart(
+        "XyZ",
+        ("file", "model.wav", b'name="model"\r\n\r\nfake'),
+        ("model", None, b"whisper"),
+        ("stream", None, b"true"),
+        ("model", None, b"second"),
+    )
     assert form_fields(body, 'multipart/form-data; boundary="XyZ"', frozenset({"model", "stream"})) == {
-        "model": "whisper", "stream": "true"}
+        "model": "whisper",
+        "stream": "true",
+    }
     assert form_fields(b"model=a&x=1", "application/x-www-form-urlencoded", frozenset({"model"})) == {"model": "a"}
 
 
@@ -120,8 +143,9 @@ def test_resolve_pins_previous_response_id_and_retrieve_to_the_engine_that_store
     upstreams = pools()
     owner = upstreams.models["chat"].engines[1]
     stored = new_response_id(owner)
-    create = parse_request(json.dumps({"model": "chat", "input": "x", "previous_response_id": stored}).encode(),
-                           BY_PATH["/v1/responses"])
+    create = parse_request(
+        json.dumps({"model": "chat", "input": "x", "previous_response_id": stored}).encode(), BY_PATH["/v1/responses"]
+    )
     assert resolve(upstreams, create) is upstreams.models["chat"] and create.pin is owner
     assert excluded(create, upstreams.models["chat"]) == [upstreams.models["chat"].engines[0]]
     sent = json.loads(body_for(create, owner))
@@ -137,13 +161,17 @@ def test_resolve_pins_previous_response_id_and_retrieve_to_the_engine_that_store
 def test_resolve_refuses_ids_of_no_engine_or_of_another_model():
     upstreams = pools()
     for previous in ("resp_0123456789abcdef", new_response_id(Engine("chat", "http://elsewhere:1"))):
-        request = parse_request(json.dumps({"model": "chat", "input": "x", "previous_response_id": previous}).encode(),
-                                BY_PATH["/v1/responses"])
+        request = parse_request(
+            json.dumps({"model": "chat", "input": "x", "previous_response_id": previous}).encode(),
+            BY_PATH["/v1/responses"],
+        )
         with pytest.raises(ResponseNotFound):
             resolve(upstreams, request)
     from_embed = new_response_id(upstreams.models["embed"].engines[0])
-    request = parse_request(json.dumps({"model": "chat", "input": "x", "previous_response_id": from_embed}).encode(),
-                            BY_PATH["/v1/responses"])
+    request = parse_request(
+        json.dumps({"model": "chat", "input": "x", "previous_response_id": from_embed}).encode(),
+        BY_PATH["/v1/responses"],
+    )
     with pytest.raises(ResponseNotFound, match="model `embed`"):
         resolve(upstreams, request)
 
@@ -182,8 +210,7 @@ def test_responses_tokens_are_delta_events_only():
 def test_responses_usage_comes_from_response_completed_even_split_across_reads():
     scanner = UsageScanner()
     created = event("response.created", 0, response={"usage": None})
-    completed = event("response.completed", 9, response={"id": "r", "usage": {"input_tokens": 15,
-                                                                              "output_tokens": 3}})
+    completed = event("response.completed", 9, response={"id": "r", "usage": {"input_tokens": 15, "output_tokens": 3}})
     scanner.feed(created + completed[:40])
     scanner.feed(completed[40:])
     usage = scanner.finish()
@@ -196,8 +223,13 @@ def test_responses_error_event_follows_the_last_sequence_number():
     text = RESPONSES.error_event(UpstreamFailed("engine died"), last).decode()
     assert text.startswith("event: error\ndata: ") and text.endswith("\n\n")
     payload = json.loads(text.split("data: ", 1)[1])
-    assert payload == {"type": "error", "code": "upstream_failed", "message": "engine died", "param": None,
-                       "sequence_number": 8}
+    assert payload == {
+        "type": "error",
+        "code": "upstream_failed",
+        "message": "engine died",
+        "param": None,
+        "sequence_number": 8,
+    }
     assert RESPONSES.finished(event("response.completed", 9, response={}))
     assert not RESPONSES.finished(last)
 
@@ -207,8 +239,9 @@ def test_responses_error_event_follows_the_last_sequence_number():
 
 def test_engine_errors_that_are_not_envelopes_are_put_in_one():
     envelope = json.loads(engine_error_body(404, b'{"detail":"Not Found"}') or b"")
-    assert envelope == {"error": {"message": "Not Found", "type": "invalid_request_error", "param": None,
-                                  "code": "not_found"}}
+    assert envelope == {
+        "error": {"message": "Not Found", "type": "invalid_request_error", "param": None, "code": "not_found"}
+    }
     unauthorized = json.loads(engine_error_body(401, b'{"error":"Unauthorized"}') or b"")
     assert unauthorized["error"]["message"] == "Unauthorized" and unauthorized["error"]["code"] == "invalid_api_key"
     assert json.loads(engine_error_body(500, b"Internal Server Error") or b"")["error"]["type"] == "server_error"

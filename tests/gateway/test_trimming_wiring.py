@@ -20,8 +20,11 @@ def long_chat(turns: int) -> list[dict]:
 def test_a_url_model_is_not_trimmed_unless_configured(engines, gateway):
     (engine,) = engines(1, max_model_len=200)
     gw = gateway(fast_settings({"standin": [engine.url]}))
-    response = httpx.post(f"{gw.url}/v1/chat/completions", timeout=10,
-                          json={"model": "standin", "messages": long_chat(10), "max_tokens": 16})
+    response = httpx.post(
+        f"{gw.url}/v1/chat/completions",
+        timeout=10,
+        json={"model": "standin", "messages": long_chat(10), "max_tokens": 16},
+    )
     assert response.status_code == 400  # the engine's own context-length error
     assert "x-trim-status" not in response.headers
 
@@ -32,8 +35,11 @@ def test_configured_trimming_fits_the_history_into_the_engines_max_model_len(eng
     settings.models[0].trimming = TrimmingConfig(mode="auto", default_max_tokens=16)
     gw = gateway(settings)
     assert gw.state.upstreams.models["standin"].max_model_len == 200  # read from the engine's /v1/models
-    response = httpx.post(f"{gw.url}/v1/chat/completions", timeout=10,
-                          json={"model": "standin", "messages": long_chat(10), "max_tokens": 16})
+    response = httpx.post(
+        f"{gw.url}/v1/chat/completions",
+        timeout=10,
+        json={"model": "standin", "messages": long_chat(10), "max_tokens": 16},
+    )
     assert response.status_code == 200, response.text
     assert response.headers["x-trim-status"] == "trimmed"
     assert int(response.headers["x-trimmed-messages"]) > 0
@@ -46,14 +52,13 @@ def test_configured_trimming_fits_the_history_into_the_engines_max_model_len(eng
     assert 'gateway_trimmed_messages_total{model="standin"}' in metrics
 
 
-
 async def test_tool_definitions_are_sent_to_the_engines_tokenizer(engines):
     """Templates render `tools` into the prompt: the gateway's token counts must include them, so
     its tokenize call carries them (and the middleware knows it may pass them)."""
-    from server.gateway.trimming.step import accepts_tools as _accepts_tools
-    from server.gateway.trimming.target import EngineTrimTarget
     from server.deploy.plan import plan_deployment
     from server.gateway.engines.pool import EnginePool
+    from server.gateway.trimming.step import accepts_tools as _accepts_tools
+    from server.gateway.trimming.target import EngineTrimTarget
 
     (engine,) = engines(1, max_model_len=200)
     settings = fast_settings({"standin": [engine.url]})

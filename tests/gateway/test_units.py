@@ -4,26 +4,31 @@ from __future__ import annotations
 
 import pytest
 
+from server.config import SettingsError
 from server.gateway.edge.auth import bearer_token, key_matches, load_api_keys
 from server.gateway.edge.context import request_id_from
-from server.gateway.errors import InvalidRequest
-from server.config import SettingsError
-from server.gateway.settings import Auth
 from server.gateway.edge.endpoints import BY_NAME
 from server.gateway.edge.requests import parse_request
+from server.gateway.errors import InvalidRequest
+from server.gateway.settings import Auth
 
 
 def test_parse_request_keeps_the_body_and_reads_model_and_stream():
-    parsed = parse_request(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": true}', BY_NAME["chat"])
+    parsed = parse_request(
+        b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": true}', BY_NAME["chat"]
+    )
     assert (parsed.model, parsed.stream) == ("m", True)
     assert parse_request(b'{"model": "m", "prompt": "x"}', BY_NAME["completions"]).stream is False
 
 
-@pytest.mark.parametrize(("raw", "param", "code"), [
-    (b'{"model": "m", "messages": "hi"}', "messages", "invalid_type"),
-    (b'{"model": "m", "messages": [{"content": "x"}]}', "messages[0].role", "invalid_type"),
-    (b'{"model": "m", "messages": [{"role": "user"}], "stream": 1}', "stream", "invalid_type"),
-])
+@pytest.mark.parametrize(
+    ("raw", "param", "code"),
+    [
+        (b'{"model": "m", "messages": "hi"}', "messages", "invalid_type"),
+        (b'{"model": "m", "messages": [{"content": "x"}]}', "messages[0].role", "invalid_type"),
+        (b'{"model": "m", "messages": [{"role": "user"}], "stream": 1}', "stream", "invalid_type"),
+    ],
+)
 def test_parse_request_names_the_parameter(raw, param, code):
     with pytest.raises(InvalidRequest) as info:
         parse_request(raw, BY_NAME["chat"])

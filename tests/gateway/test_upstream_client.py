@@ -87,8 +87,10 @@ def test_an_injected_httpx_client_carries_the_proxied_traffic(gateway):
     engine = build_app(StandinConfig(ttft_ms=1, itl_ms=1, tokens=3))
     with serve_in_thread(engine) as engine_url:
         sent = []
-        client = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0),  # nothing left open
-                                   event_hooks={"request": [lambda request: _record(sent, request)]})
+        client = httpx.AsyncClient(
+            limits=httpx.Limits(max_keepalive_connections=0),  # nothing left open
+            event_hooks={"request": [lambda request: _record(sent, request)]},
+        )
         gw = gateway(fast_settings({"standin": [engine_url]}), http_client=client)
         streamed = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body(stream=True), timeout=10)
         plain = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body(), timeout=10)

@@ -9,8 +9,7 @@ from tests.support import serve_in_thread
 
 @pytest.fixture(scope="module")
 def standin_server():
-    with serve_in_thread(build_app(StandinConfig(model="standin", ttft_ms=30, itl_ms=5,
-                                                 tokens=12))) as url:
+    with serve_in_thread(build_app(StandinConfig(model="standin", ttft_ms=30, itl_ms=5, tokens=12))) as url:
         yield url
 
 

@@ -17,17 +17,21 @@ from tests.support import serve_in_thread
 
 
 def rec(turn, prompt, cached, ok=True):
-    return RequestRecord(request_id=f"r{turn}-{prompt}", turn=turn, prompt_tokens=prompt,
-                         cached_tokens=cached, ttft_s=0.01, e2e_s=0.02,
-                         error_kind=None if ok else "http")
+    return RequestRecord(
+        request_id=f"r{turn}-{prompt}",
+        turn=turn,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        ttft_s=0.01,
+        e2e_s=0.02,
+        error_kind=None if ok else "http",
+    )
 
 
 def test_cached_share_sums_tokens_over_requests_that_reported_them():
-    records = [rec(0, 100, 0), rec(1, 300, 200), rec(1, 100, 100), rec(1, 50, None),
-               rec(1, 1000, 1000, ok=False)]
+    records = [rec(0, 100, 0), rec(1, 300, 200), rec(1, 100, 100), rec(1, 50, None), rec(1, 1000, 1000, ok=False)]
     share = cached_share(records)
-    assert share == {"total_cached_tokens": 300, "cached_tokens_reported": 3,
-                     "cached_token_ratio": 300 / 500}
+    assert share == {"total_cached_tokens": 300, "cached_tokens_reported": 3, "cached_token_ratio": 300 / 500}
     turns = {row["turn"]: row for row in per_turn(records)}
     assert turns[0]["cached_token_ratio"] == 0.0
     assert turns[1]["cached_token_ratio"] == pytest.approx(300 / 400)
@@ -49,16 +53,16 @@ def caching_engine():
 
 
 async def test_conversation_turns_find_their_history_in_the_cache(caching_engine):
-    async with make_transport("raw", max_connections=2, timeout_s=10) as http, \
-            httpx.AsyncClient(trust_env=False) as metrics_http:
+    async with (
+        make_transport("raw", max_connections=2, timeout_s=10) as http,
+        httpx.AsyncClient(trust_env=False) as metrics_http,
+    ):
         client = ChatClient(caching_engine, http=http, model="standin", timeout_s=10)
         probe = EngineProbe(caching_engine + "/metrics", http=metrics_http)
         sessions = scenarios.itinerary(0, turns=4, max_tokens=4)
-        result = await Runner(client, sessions, LoadShape(concurrency=1),
-                              StopRule(num_requests=8), probe=probe).run()
+        result = await Runner(client, sessions, LoadShape(concurrency=1), StopRule(num_requests=8), probe=probe).run()
     assert all(r.ok for r in result.records)
-    assert all(r.cached_tokens is not None and 0 <= r.cached_tokens <= r.prompt_tokens
-               for r in result.records)
+    assert all(r.cached_tokens is not None and 0 <= r.cached_tokens <= r.prompt_tokens for r in result.records)
     # later turns resend the whole history: most of their prompt is cached
     by_turn = {row["turn"]: row for row in per_turn(result.measured)}
     assert by_turn[3]["cached_token_ratio"] > by_turn[0]["cached_token_ratio"]
@@ -76,7 +80,11 @@ async def test_conversation_turns_find_their_history_in_the_cache(caching_engine
 async def test_a_server_without_details_leaves_cached_tokens_empty(standin):
     async with make_transport("raw", max_connections=1, timeout_s=10) as http:
         client = ChatClient(standin, http=http, model="standin", timeout_s=10)
-        result = await Runner(client, scenarios.random_prompts(0, input_chars=40, max_tokens=2),
-                              LoadShape(concurrency=1), StopRule(num_requests=2)).run()
+        result = await Runner(
+            client,
+            scenarios.random_prompts(0, input_chars=40, max_tokens=2),
+            LoadShape(concurrency=1),
+            StopRule(num_requests=2),
+        ).run()
     assert all(r.ok and r.cached_tokens is None for r in result.records)
     assert math.isnan(summarize(result.measured)["cached_token_ratio"])

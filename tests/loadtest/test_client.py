@@ -5,7 +5,6 @@ import json
 import time
 
 import httpx
-
 import pytest
 
 from loadtest.client import ChatClient, make_transport, normalize_base_url
@@ -21,11 +20,17 @@ def kind(request):
     return request.param
 
 
-async def stream(url, *, max_tokens=8, timeout=10.0, extra=None, model="standin", hook=None,
-                 kind="raw"):
+async def stream(url, *, max_tokens=8, timeout=10.0, extra=None, model="standin", hook=None, kind="raw"):
     async with make_transport(kind, max_connections=4, timeout_s=timeout) as http:
-        client = ChatClient(url, http=http, model=model, timeout_s=timeout, extra_body=extra,
-                            headers={"x-test": "1"}, record_headers=("X-Request-Id", "x-none"))
+        client = ChatClient(
+            url,
+            http=http,
+            model=model,
+            timeout_s=timeout,
+            extra_body=extra,
+            headers={"x-test": "1"},
+            record_headers=("X-Request-Id", "x-none"),
+        )
         record = RequestRecord(request_id="req-1", session_id="s-1", max_tokens=max_tokens)
         origin = time.perf_counter()
         answer = await client.stream(record, MESSAGES, origin=origin, on_first_token=hook)
@@ -39,8 +44,7 @@ def test_base_url_with_or_without_v1():
 
 async def test_chunk_timings_usage_and_text(standin, kind):
     fired = []
-    record, text = await stream(standin + "/v1", max_tokens=8, hook=lambda: fired.append(1),
-                                kind=kind)
+    record, text = await stream(standin + "/v1", max_tokens=8, hook=lambda: fired.append(1), kind=kind)
     assert record.ok and record.done and record.status == 200
     assert record.completion_tokens == 8 and record.tokens_from_usage
     assert record.prompt_tokens > 0
@@ -93,16 +97,15 @@ async def test_connection_cut_mid_stream_is_truncated(standin, kind):
 
 async def test_timeout_before_first_byte(standin, kind):
     started = time.perf_counter()
-    record, _ = await stream(standin, timeout=0.3, extra={"standin": {"first_byte_delay_s": 3}},
-                             kind=kind)
+    record, _ = await stream(standin, timeout=0.3, extra={"standin": {"first_byte_delay_s": 3}}, kind=kind)
     assert record.error_kind == "timeout"
     assert time.perf_counter() - started < 2.0
 
 
 async def test_timeout_in_a_stalled_stream(standin, kind):
-    record, _ = await stream(standin, timeout=0.4,
-                             extra={"standin": {"stall_after_chunks": 2, "stall_s": 3}},
-                             kind=kind)
+    record, _ = await stream(
+        standin, timeout=0.4, extra={"standin": {"stall_after_chunks": 2, "stall_s": 3}}, kind=kind
+    )
     assert record.error_kind == "timeout" and record.status == 200
 
 
@@ -123,8 +126,7 @@ def sse_app(events: list[bytes]):
                 else:
                     await send({"type": "lifespan.shutdown.complete"})
                     return
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
         for event in events:
             await send({"type": "http.response.body", "body": event, "more_body": True})
             await asyncio.sleep(0.005)
@@ -144,8 +146,7 @@ def chunk(content=None, role=None):
 
 def test_error_event_inside_a_200_stream(kind):
     error = b'data: {"error": {"message": "engine died", "type": "InternalServerError", "code": 500}}\n\n'
-    with serve_in_thread(sse_app([chunk("", "assistant"), chunk("hi"), error,
-                                  b"data: [DONE]\n\n"])) as url:
+    with serve_in_thread(sse_app([chunk("", "assistant"), chunk("hi"), error, b"data: [DONE]\n\n"])) as url:
         record, text = asyncio.run(stream(url, kind=kind))
     assert record.error_kind == "stream_error" and "engine died" in record.error
     assert text == "hi"
@@ -159,8 +160,9 @@ def test_stream_ending_without_done_is_truncated(kind):
 
 def test_ttft_waits_for_text_and_tokens_fall_back_to_chunks(kind):
     # role chunk, an empty token chunk (partial UTF-8 in vLLM), then text; no usage chunk
-    with serve_in_thread(sse_app([chunk("", "assistant"), chunk(""), chunk("x"), chunk("y"),
-                                  b": keep-alive\n\n", b"data: [DONE]\n\n"])) as url:
+    with serve_in_thread(
+        sse_app([chunk("", "assistant"), chunk(""), chunk("x"), chunk("y"), b": keep-alive\n\n", b"data: [DONE]\n\n"])
+    ) as url:
         record, text = asyncio.run(stream(url, kind=kind))
     assert record.ok and text == "xy"
     assert record.first_chunk_s < record.ttft_s
@@ -180,8 +182,9 @@ async def test_raw_transport_reuses_keep_alive_connections(standin):
     async with HTTPClient(max_connections=2) as http:
         client = ChatClient(standin, http=http, model="standin", timeout_s=10)
         for i in range(4):
-            answer = await client.stream(RequestRecord(request_id=f"k{i}", max_tokens=2),
-                                         MESSAGES, origin=time.perf_counter())
+            answer = await client.stream(
+                RequestRecord(request_id=f"k{i}", max_tokens=2), MESSAGES, origin=time.perf_counter()
+            )
             assert answer.record.ok
         assert len(http._open) == 1  # one connection, reused
 
@@ -193,15 +196,17 @@ def test_raw_transport_replaces_a_connection_the_server_closed_while_idle():
     async def go(url):
         async with HTTPClient(max_connections=1) as http:
             client = ChatClient(url, http=http, model="standin", timeout_s=10)
-            first = await client.stream(RequestRecord(request_id="a", max_tokens=2), MESSAGES,
-                                        origin=time.perf_counter())
+            first = await client.stream(
+                RequestRecord(request_id="a", max_tokens=2), MESSAGES, origin=time.perf_counter()
+            )
             (idle,) = http._idle[("127.0.0.1", int(url.rsplit(":", 1)[1]), False)]
             deadline = time.monotonic() + 30
             while not idle.closed and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)  # poll until the server has closed it
             assert idle.closed
-            second = await client.stream(RequestRecord(request_id="b", max_tokens=2), MESSAGES,
-                                         origin=time.perf_counter())
+            second = await client.stream(
+                RequestRecord(request_id="b", max_tokens=2), MESSAGES, origin=time.perf_counter()
+            )
             return first.record, second.record
 
     from tests.standin import StandinConfig, build_app
@@ -220,16 +225,36 @@ def test_raw_transport_speaks_https(tmp_path):
     from tests.standin import StandinConfig, build_app
 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
     trust = ssl.create_default_context(cafile=str(cert))
 
     async def go(url):
         async with HTTPClient(max_connections=1, tls=trust) as http:
             client = ChatClient(url, http=http, model="standin", timeout_s=10)
-            answer = await client.stream(RequestRecord(request_id="tls", max_tokens=3), MESSAGES,
-                                         origin=time.perf_counter())
+            answer = await client.stream(
+                RequestRecord(request_id="tls", max_tokens=3), MESSAGES, origin=time.perf_counter()
+            )
             return answer.record
 
     app = build_app(StandinConfig(ttft_ms=1, itl_ms=1, tokens=3))

@@ -30,8 +30,14 @@ def test_saturation_warns_above_the_limits_only():
     (warning,) = saturation({"achieved_rate": 94.0}, target_rate=100)
     assert "behind its schedule" in warning
     assert saturation({"achieved_rate": 10.0}) == []  # no target (closed loop, ceiling)
-    assert len(saturation({"p99_loop_lag_ms": 2.0, "achieved_rate": 50.0}, target_rate=100,
-                          limits=Limits(p99_loop_lag_ms=1.0))) == 2
+    assert (
+        len(
+            saturation(
+                {"p99_loop_lag_ms": 2.0, "achieved_rate": 50.0}, target_rate=100, limits=Limits(p99_loop_lag_ms=1.0)
+            )
+        )
+        == 2
+    )
 
 
 async def test_monitor_sees_a_blocked_loop():
@@ -60,8 +66,7 @@ async def run_blocked(url, shape, stop, block_s):
     async with make_transport("raw", max_connections=32, timeout_s=10) as http:
         client = ChatClient(url, http=http, model="standin", timeout_s=10)
         sessions = scenarios.random_prompts(0, input_chars=40, max_tokens=2)
-        return await Runner(client, sessions, shape, stop,
-                            on_record=lambda record: time.sleep(block_s)).run()
+        return await Runner(client, sessions, shape, stop, on_record=lambda record: time.sleep(block_s)).run()
 
 
 async def test_overload_warning_fires_when_the_generator_is_saturated(standin):
@@ -76,8 +81,7 @@ async def test_overload_warning_fires_when_the_generator_is_saturated(standin):
 
 async def test_open_loop_shortfall_warning(standin):
     # 200 sessions/s targeted, but each finished request blocks the loop 20 ms: at most 50/s
-    result = await run_blocked(standin, LoadShape(rate=200, arrival="constant"),
-                               StopRule(num_requests=30), 0.02)
+    result = await run_blocked(standin, LoadShape(rate=200, arrival="constant"), StopRule(num_requests=30), 0.02)
     outcome = RunOutcome.of(result, standin, {})
     assert outcome.summary["achieved_rate"] < 190
     assert any("behind its schedule" in w for w in outcome.summary["generator_warnings"])
@@ -86,8 +90,12 @@ async def test_open_loop_shortfall_warning(standin):
 async def test_no_warning_fields_missing_on_a_normal_run(standin):
     async with make_transport("raw", max_connections=2, timeout_s=10) as http:
         client = ChatClient(standin, http=http, model="standin", timeout_s=10)
-        result = await Runner(client, scenarios.random_prompts(0, input_chars=40, max_tokens=2),
-                              LoadShape(concurrency=1), StopRule(num_requests=3)).run()
+        result = await Runner(
+            client,
+            scenarios.random_prompts(0, input_chars=40, max_tokens=2),
+            LoadShape(concurrency=1),
+            StopRule(num_requests=3),
+        ).run()
     outcome = RunOutcome.of(result, standin, {})
     assert outcome.summary["loop_lag_samples"] > 0
     assert outcome.summary["p99_loop_lag_ms"] >= 0

@@ -6,19 +6,37 @@ import random
 import numpy as np
 import pytest
 
-from loadtest.metrics import (describe, error_counts, is_good, itl_s, max_concurrency, per_turn,
-                              percentile, ratios, summarize, tpot_s)
+from loadtest.metrics import (
+    describe,
+    error_counts,
+    is_good,
+    itl_s,
+    max_concurrency,
+    per_turn,
+    percentile,
+    ratios,
+    summarize,
+    tpot_s,
+)
 from loadtest.records import RequestRecord
 from loadtest.slo import SLOError, parse_slo, parse_slos, verdict
 
 
 def record(sent, chunks, tokens, prompt=10, **kw):
-    return RequestRecord(request_id=f"r{sent}", sent_s=sent, scheduled_s=kw.pop("scheduled", sent),
-                         ttft_s=chunks[0] if chunks else None, chunk_s=list(chunks),
-                         e2e_s=chunks[-1] if chunks else None,
-                         closed_s=(chunks[-1] + 0.001) if chunks else kw.pop("closed", 0.01),
-                         prompt_tokens=prompt, completion_tokens=tokens, status=200, done=True,
-                         **kw)
+    return RequestRecord(
+        request_id=f"r{sent}",
+        sent_s=sent,
+        scheduled_s=kw.pop("scheduled", sent),
+        ttft_s=chunks[0] if chunks else None,
+        chunk_s=list(chunks),
+        e2e_s=chunks[-1] if chunks else None,
+        closed_s=(chunks[-1] + 0.001) if chunks else kw.pop("closed", 0.01),
+        prompt_tokens=prompt,
+        completion_tokens=tokens,
+        status=200,
+        done=True,
+        **kw,
+    )
 
 
 def test_tpot_itl_and_e2e_follow_the_definitions():
@@ -38,9 +56,16 @@ def test_tpot_uses_usage_tokens_not_chunks():
 def test_summary_throughput_goodput_and_errors():
     good = record(0.0, [0.1, 0.2, 0.3], tokens=3, prompt=100)
     slow = record(1.0, [0.9, 1.0], tokens=2, prompt=50)
-    failed = RequestRecord(request_id="x", sent_s=0.25, scheduled_s=0.0, status=503,
-                           response_headers_s=0.01, closed_s=0.02, error_kind="http",
-                           error="HTTP 503: down")
+    failed = RequestRecord(
+        request_id="x",
+        sent_s=0.25,
+        scheduled_s=0.0,
+        status=503,
+        response_headers_s=0.01,
+        closed_s=0.02,
+        error_kind="http",
+        error="HTTP 503: down",
+    )
     summary = summarize([good, slow, failed], slos={"ttft": 0.5})
     # duration: first send 0.0 -> last end 1.0 + 1.001
     assert summary["duration"] == pytest.approx(2.001)
@@ -107,9 +132,16 @@ def test_error_counts_list_every_kind():
     assert counts["truncated"] == 1 and counts["stream_error"] == 0
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("ttft:500ms", ("ttft", 0.5)), ("tpot:50", ("tpot", 0.05)), ("e2e:5s", ("e2el", 5.0)),
-    ("E2EL: 1.5s", ("e2el", 1.5)), ("ttft:0.25s", ("ttft", 0.25))])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("ttft:500ms", ("ttft", 0.5)),
+        ("tpot:50", ("tpot", 0.05)),
+        ("e2e:5s", ("e2el", 5.0)),
+        ("E2EL: 1.5s", ("e2el", 1.5)),
+        ("ttft:0.25s", ("ttft", 0.25)),
+    ],
+)
 def test_parse_slo(text, expected):
     assert parse_slo(text) == expected
 

@@ -20,12 +20,17 @@ def record(request_id, ttft_s, e2e_s=None, sent_s=0.0, **kw):
 
 
 def test_join_subtracts_the_engine_side_ttft_of_the_same_request():
-    records = [record("a", 0.105, 0.500, sent_s=1.0), record("b", 0.230, None, sent_s=2.0),
-               record("c", 0.300, error_kind="http"),  # failed: left out
-               record("d", 0.400)]  # the engine never saw it: unjoined
-    engine = {"a": {"arrived": 10.001, "first_token": 10.101, "last_token": 10.491},
-              "b": {"arrived": 20.0, "first_token": 20.2, "last_token": None},
-              "c": {"arrived": 0.0, "first_token": 0.1}}
+    records = [
+        record("a", 0.105, 0.500, sent_s=1.0),
+        record("b", 0.230, None, sent_s=2.0),
+        record("c", 0.300, error_kind="http"),  # failed: left out
+        record("d", 0.400),
+    ]  # the engine never saw it: unjoined
+    engine = {
+        "a": {"arrived": 10.001, "first_token": 10.101, "last_token": 10.491},
+        "b": {"arrived": 20.0, "first_token": 20.2, "last_token": None},
+        "c": {"arrived": 0.0, "first_token": 0.1},
+    }
     joined = {j.request_id: j for j in join(records, engine)}
     assert set(joined) == {"a", "b"}
     assert joined["a"].engine_ttft_s == pytest.approx(0.100)
@@ -75,14 +80,12 @@ class SlowToSend:
 
 
 async def measure(url, *, delay_s=0.0, kind="raw", requests=6):
-    async with make_transport(kind, max_connections=4, timeout_s=10) as http, \
-            httpx.AsyncClient() as control:
+    async with make_transport(kind, max_connections=4, timeout_s=10) as http, httpx.AsyncClient() as control:
         (await control.delete(f"{url}/_standin/timings")).raise_for_status()
         poster = SlowToSend(http, delay_s) if delay_s else http
         client = ChatClient(url, http=poster, model="standin", timeout_s=10)
         sessions = scenarios.random_prompts(0, input_chars=40, max_tokens=4)
-        result = await Runner(client, sessions, LoadShape(concurrency=2),
-                              StopRule(num_requests=requests)).run()
+        result = await Runner(client, sessions, LoadShape(concurrency=2), StopRule(num_requests=requests)).run()
         engine = await fetch_engine_timings(f"{url}/_standin/timings", control)
     return result, engine
 
@@ -95,8 +98,7 @@ def slow_engine():
 
 
 @pytest.mark.parametrize("kind", ["raw", "httpx"])
-async def test_engine_side_ttft_is_the_standins_known_delay_and_joins_every_request(
-        slow_engine, kind):
+async def test_engine_side_ttft_is_the_standins_known_delay_and_joins_every_request(slow_engine, kind):
     result, engine = await measure(slow_engine, kind=kind)
     assert all(r.ok for r in result.records)
     joined = join(result.measured, engine, origin=result.origin)

@@ -15,10 +15,31 @@ pytestmark = pytest.mark.engine
 
 
 def test_itinerary_against_the_engine(real_engine, tmp_path):
-    code = main(["--url", real_engine.url, "--model", real_engine.model, "--scenario",
-                 "itinerary", "--turns", "3", "--concurrency", "2", "--num-requests", "6",
-                 "--max-tokens", "16", "--metrics-url", real_engine.url + "/metrics",
-                 "--progress", "off", "--no-plots", "--output", str(tmp_path)])
+    code = main(
+        [
+            "--url",
+            real_engine.url,
+            "--model",
+            real_engine.model,
+            "--scenario",
+            "itinerary",
+            "--turns",
+            "3",
+            "--concurrency",
+            "2",
+            "--num-requests",
+            "6",
+            "--max-tokens",
+            "16",
+            "--metrics-url",
+            real_engine.url + "/metrics",
+            "--progress",
+            "off",
+            "--no-plots",
+            "--output",
+            str(tmp_path),
+        ]
+    )
     assert code == EXIT_OK
     records = [json.loads(x) for x in (tmp_path / "requests.jsonl").read_text().splitlines()]
     assert len(records) == 6 and all(r["error_kind"] is None for r in records)
@@ -26,8 +47,10 @@ def test_itinerary_against_the_engine(real_engine, tmp_path):
     assert all(r["done"] and r["ttft_s"] <= r["e2e_s"] for r in records)
     # vLLM's own token counts grow with the history, turn by turn
     for session in {r["session_id"] for r in records}:
-        tokens = [r["prompt_tokens"] for r in sorted(
-            (r for r in records if r["session_id"] == session), key=lambda r: r["turn"])]
+        tokens = [
+            r["prompt_tokens"]
+            for r in sorted((r for r in records if r["session_id"] == session), key=lambda r: r["turn"])
+        ]
         assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
     # the engine's KV cache was sampled while requests were in flight; the tiny model may
     # finish a request between two samples, so not every request sees its own blocks
@@ -42,9 +65,20 @@ def test_itinerary_against_the_engine(real_engine, tmp_path):
 def gateway(real_engine):
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "server", "serve", "--upstream",
-         f"{real_engine.model}={real_engine.url}", "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "server",
+            "serve",
+            "--upstream",
+            f"{real_engine.model}={real_engine.url}",
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         wait_http(f"http://127.0.0.1:{port}/v1/models", timeout=60)
         yield f"http://127.0.0.1:{port}"
@@ -59,16 +93,37 @@ def gateway(real_engine):
 
 
 def test_articles_through_the_gateway_and_direct(real_engine, gateway, tmp_path):
-    code = main(["--url", gateway + "/v1", "--compare", real_engine.url, "--model",
-                 real_engine.model, "--label-a", "gateway", "--label-b", "direct",
-                 "--scenario", "articles", "--num-prompts", "6", "--concurrency", "2",
-                 "--max-tokens", "8", "--progress", "off", "--no-plots",
-                 "--output", str(tmp_path)])
+    code = main(
+        [
+            "--url",
+            gateway + "/v1",
+            "--compare",
+            real_engine.url,
+            "--model",
+            real_engine.model,
+            "--label-a",
+            "gateway",
+            "--label-b",
+            "direct",
+            "--scenario",
+            "articles",
+            "--num-prompts",
+            "6",
+            "--concurrency",
+            "2",
+            "--max-tokens",
+            "8",
+            "--progress",
+            "off",
+            "--no-plots",
+            "--output",
+            str(tmp_path),
+        ]
+    )
     assert code == EXIT_OK
     summary = json.loads((tmp_path / "summary.json").read_text())
     gateway_run, direct_run = summary["runs"]
     assert gateway_run["summary"]["completed"] == direct_run["summary"]["completed"] == 6
     # same prompts, same engine: the same prompt tokens either way
-    assert gateway_run["summary"]["total_input_tokens"] == direct_run["summary"][
-        "total_input_tokens"]
+    assert gateway_run["summary"]["total_input_tokens"] == direct_run["summary"]["total_input_tokens"]
     assert summary["comparisons"][0]["ratios_b_over_a"]["median_ttft_ms"] > 0

@@ -42,8 +42,7 @@ async def test_itinerary_history_grows_turn_by_turn(standin):
 
 async def test_closed_loop_never_exceeds_its_concurrency(standin):
     sessions = scenarios.random_prompts(0, input_chars=50, max_tokens=4)
-    result = await run(standin, sessions, LoadShape(concurrency=3),
-                       StopRule(num_requests=12, warmup_requests=3))
+    result = await run(standin, sessions, LoadShape(concurrency=3), StopRule(num_requests=12, warmup_requests=3))
     stats = httpx.get(f"{standin}/_standin/stats").json()
     assert stats["peak_running"] == 3 and stats["finished"] == 15
     assert len(result.records) == 15 and len(result.measured) == 12
@@ -53,15 +52,19 @@ async def test_closed_loop_never_exceeds_its_concurrency(standin):
 async def test_open_loop_rate_ceiling_and_lateness(standin):
     sessions = scenarios.random_prompts(0, input_chars=50, max_tokens=4)
     # 40 req/s arrivals, each ~50 ms long, at most 1 in flight: requests must queue
-    result = await run(standin, sessions, LoadShape(concurrency=1, rate=40, arrival="constant"),
-                       StopRule(num_requests=10))
+    result = await run(
+        standin, sessions, LoadShape(concurrency=1, rate=40, arrival="constant"), StopRule(num_requests=10)
+    )
     stats = httpx.get(f"{standin}/_standin/stats").json()
     assert stats["peak_running"] == 1
-    assert [round(r.scheduled_s, 3) for r in result.records] == [
-        round(i / 40, 3) for i in range(10)]
+    assert [round(r.scheduled_s, 3) for r in result.records] == [round(i / 40, 3) for i in range(10)]
     assert result.records[-1].lateness_s > 0.1  # waited for the ceiling
-    free = await run(standin, scenarios.random_prompts(1, input_chars=50, max_tokens=4),
-                     LoadShape(rate=40, arrival="constant"), StopRule(num_requests=10))
+    free = await run(
+        standin,
+        scenarios.random_prompts(1, input_chars=50, max_tokens=4),
+        LoadShape(rate=40, arrival="constant"),
+        StopRule(num_requests=10),
+    )
     assert max(r.lateness_s for r in free.records) < 0.05
     assert httpx.get(f"{standin}/_standin/stats").json()["peak_running"] > 1
 
@@ -81,9 +84,13 @@ async def test_failed_turns_stay_out_of_the_history(standin):
     assert [r.ok for r in result.records] == [False, True, True]
     assert [r.prompt_messages for r in result.records] == [2, 2, 4]
     httpx.post(f"{standin}/_standin/faults", json={"status": 500, "times": 1})
-    ended = await run(standin, scenarios.itinerary(0, turns=3, max_tokens=4),
-                      LoadShape(concurrency=1), StopRule(num_requests=3),
-                      end_session_on_error=True)
+    ended = await run(
+        standin,
+        scenarios.itinerary(0, turns=3, max_tokens=4),
+        LoadShape(concurrency=1),
+        StopRule(num_requests=3),
+        end_session_on_error=True,
+    )
     assert [r.turn for r in ended.records] == [0, 0, 1]  # the failed session was abandoned
     assert len({r.session_id for r in ended.records}) == 2
 
@@ -97,10 +104,8 @@ async def test_finite_scenario_ends_the_run(standin):
 async def test_engine_probe_per_request_and_counter_deltas(standin):
     httpx.post(f"{standin}/_standin/faults", json={"kv_cache_usage_perc": 0.42})
     sessions = scenarios.articles(0, num_prompts=4, max_tokens=4)
-    result = await run(standin, sessions, LoadShape(concurrency=2), StopRule(num_requests=4),
-                       probe=True)
-    assert all(r.engine["vllm:kv_cache_usage_perc"] == pytest.approx(0.42)
-               for r in result.records)
+    result = await run(standin, sessions, LoadShape(concurrency=2), StopRule(num_requests=4), probe=True)
+    assert all(r.engine["vllm:kv_cache_usage_perc"] == pytest.approx(0.42) for r in result.records)
     assert result.engine["prefix_cache_queries_total"] > 0
     assert 0 <= result.engine["prefix_cache_hit_rate"] <= 1
 
@@ -130,9 +135,11 @@ vllm:num_requests_waiting NaN
 def test_each_request_gets_the_highest_sample_while_it_was_in_flight():
     from loadtest.engine_probe import Sample, during
 
-    samples = [Sample(0.0, 0.01, {"vllm:kv_cache_usage_perc": 0.1}),
-               Sample(0.10, 0.11, {"vllm:kv_cache_usage_perc": 0.3}),
-               Sample(0.20, 0.21, {"vllm:kv_cache_usage_perc": 0.2})]
+    samples = [
+        Sample(0.0, 0.01, {"vllm:kv_cache_usage_perc": 0.1}),
+        Sample(0.10, 0.11, {"vllm:kv_cache_usage_perc": 0.3}),
+        Sample(0.20, 0.21, {"vllm:kv_cache_usage_perc": 0.2}),
+    ]
     assert during(samples, 0.05, 0.25)["vllm:kv_cache_usage_perc"] == 0.3
     assert during(samples, 0.15, 0.25)["vllm:kv_cache_usage_perc"] == 0.2
     assert during(samples, 0.012, 0.09) is None
@@ -143,18 +150,21 @@ async def test_paired_run_sends_every_turn_to_both_targets_back_to_back(standin)
 
     async with make_http_client(max_connections=4, timeout_s=10) as http:
         a = ChatClient(standin, http=http, model="standin", timeout_s=10)
-        b = ChatClient(standin + "/v1", http=http, model="standin", timeout_s=10,
-                       headers={"x-variant": "b"})
-        runner = Runner(a, scenarios.itinerary(0, turns=3, max_tokens=4),
-                        LoadShape(concurrency=1), StopRule(num_requests=6), target="A",
-                        paired_with=Target("B", b))
+        b = ChatClient(standin + "/v1", http=http, model="standin", timeout_s=10, headers={"x-variant": "b"})
+        runner = Runner(
+            a,
+            scenarios.itinerary(0, turns=3, max_tokens=4),
+            LoadShape(concurrency=1),
+            StopRule(num_requests=6),
+            target="A",
+            paired_with=Target("B", b),
+        )
         result_a, result_b = await runner.run_all()
     assert len(result_a.records) == len(result_b.records) == 6
     merged = sorted(result_a.records + result_b.records, key=lambda r: r.sent_s)
     # session 0: A first, session 1: B first; each turn on both before the next turn
     assert [r.target for r in merged] == ["A", "B"] * 3 + ["B", "A"] * 3
-    assert [(r.session_id, r.turn) for r in merged[::2]] == [
-        (r.session_id, r.turn) for r in merged[1::2]]
+    assert [(r.session_id, r.turn) for r in merged[::2]] == [(r.session_id, r.turn) for r in merged[1::2]]
     # separate histories, equally long
     assert [r.prompt_messages for r in result_a.records] == [2, 4, 6] * 2
     assert [r.prompt_messages for r in result_b.records] == [2, 4, 6] * 2
@@ -165,14 +175,18 @@ def test_paired_differences_match_prompts():
     from loadtest.records import RequestRecord
 
     def rec(target, session, turn, ttft, e2e, ok=True):
-        return RequestRecord(request_id=f"{target}{session}{turn}", target=target,
-                             session_id=session, turn=turn, ttft_s=ttft, e2e_s=e2e,
-                             error_kind=None if ok else "http")
+        return RequestRecord(
+            request_id=f"{target}{session}{turn}",
+            target=target,
+            session_id=session,
+            turn=turn,
+            ttft_s=ttft,
+            e2e_s=e2e,
+            error_kind=None if ok else "http",
+        )
 
-    a = [rec("A", "s", 0, 0.100, 0.200), rec("A", "s", 1, 0.300, 0.400),
-         rec("A", "t", 0, 0.5, 0.6, ok=False)]
-    b = [rec("B", "s", 1, 0.302, 0.410), rec("B", "s", 0, 0.101, 0.201),
-         rec("B", "t", 0, 0.1, 0.1)]
+    a = [rec("A", "s", 0, 0.100, 0.200), rec("A", "s", 1, 0.300, 0.400), rec("A", "t", 0, 0.5, 0.6, ok=False)]
+    b = [rec("B", "s", 1, 0.302, 0.410), rec("B", "s", 0, 0.101, 0.201), rec("B", "t", 0, 0.1, 0.1)]
     diffs = paired_differences(a, b)
     assert diffs["pairs"] == 2
     assert diffs["median_ttft_diff_ms"] == pytest.approx(1.5)
@@ -189,10 +203,12 @@ def test_balanced_difference_cancels_the_advantage_of_going_second():
         a_first = i < 6  # unbalanced on purpose
         ta = 0.050 - (0 if a_first else 0.010)
         tb = 0.052 - (0.010 if a_first else 0)
-        a.append(RequestRecord(request_id=f"a{i}", session_id=str(i), sent_s=0.0 if a_first else 1,
-                               ttft_s=ta, e2e_s=ta))
-        b.append(RequestRecord(request_id=f"b{i}", session_id=str(i), sent_s=1 if a_first else 0.0,
-                               ttft_s=tb, e2e_s=tb))
+        a.append(
+            RequestRecord(request_id=f"a{i}", session_id=str(i), sent_s=0.0 if a_first else 1, ttft_s=ta, e2e_s=ta)
+        )
+        b.append(
+            RequestRecord(request_id=f"b{i}", session_id=str(i), sent_s=1 if a_first else 0.0, ttft_s=tb, e2e_s=tb)
+        )
     diffs = paired_differences(a, b)
     assert diffs["balanced_ttft_diff_ms"] == pytest.approx(2.0)
     assert diffs["median_ttft_diff_ms"] != pytest.approx(2.0)  # the plain median is fooled

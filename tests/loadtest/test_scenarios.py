@@ -32,8 +32,7 @@ def test_itinerary_sizes_and_shared_system_prompt():
 
 @pytest.mark.parametrize("system_chars, context_chars", [(200, 800), (1000, 4000), (500, 0)])
 def test_itinerary_sizes_follow_the_options(system_chars, context_chars):
-    (session,) = take(scenarios.itinerary(0, system_chars=system_chars,
-                                          context_chars=context_chars), 1)
+    (session,) = take(scenarios.itinerary(0, system_chars=system_chars, context_chars=context_chars), 1)
     content = session.prefix[0]["content"]
     expected = system_chars + (context_chars + 2 if context_chars else 0)
     assert expected * 0.9 <= len(content) <= expected
@@ -56,8 +55,7 @@ def test_random_lengths_fixed_and_distributed():
     assert {s.max_tokens for s in fixed} == {(20,)}
     # no two prompts share a prefix beyond their first characters
     assert len({s.turns[0]["content"][:8] for s in fixed}) == 20
-    uniform = take(scenarios.random_prompts(0, input_chars=1000, max_tokens=100,
-                                            dist="uniform", spread=0.5), 200)
+    uniform = take(scenarios.random_prompts(0, input_chars=1000, max_tokens=100, dist="uniform", spread=0.5), 200)
     sizes = [len(s.turns[0]["content"]) for s in uniform]
     outs = [s.max_tokens[0] for s in uniform]
     assert 500 <= min(sizes) < 650 and 1350 < max(sizes) <= 1500
@@ -85,21 +83,20 @@ def test_session_i_does_not_depend_on_how_many_are_drawn():
 def test_file_formats(tmp_path):
     path = tmp_path / "traffic.jsonl"
     lines = [
-        {"messages": [{"role": "system", "content": "be brief"},
-                      {"role": "user", "content": "hi"}], "max_tokens": 5},
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], "max_tokens": 5},
         {"prompt": "hello"},
         {"id": "trip", "system": "plan trips", "turns": ["day one?", "day two?"]},
     ]
     path.write_text("# my traffic\n" + "\n".join(json.dumps(x) for x in lines) + "\n\n")
     a, b, c = scenarios.load_file(path, max_tokens=7)
-    assert a == Session(f"{path}:2", ({"role": "system", "content": "be brief"},),
-                        ({"role": "user", "content": "hi"},), (5,))
+    assert a == Session(
+        f"{path}:2", ({"role": "system", "content": "be brief"},), ({"role": "user", "content": "hi"},), (5,)
+    )
     assert b.turns == ({"role": "user", "content": "hello"},) and b.max_tokens == (7,)
     assert c.id == "trip" and len(c.turns) == 2 and c.prefix[0]["content"] == "plan trips"
 
 
-@pytest.mark.parametrize("line", ['{"nothing": 1}', "not json", '{"messages": []}',
-                                  '{"turns": "x"}', "[1]"])
+@pytest.mark.parametrize("line", ['{"nothing": 1}', "not json", '{"messages": []}', '{"turns": "x"}', "[1]"])
 def test_file_errors_name_the_line(tmp_path, line):
     path = tmp_path / "bad.jsonl"
     path.write_text(line + "\n")

@@ -29,7 +29,7 @@ def test_gamma_burstiness_sets_the_spread_not_the_rate(burstiness):
     g = take(gaps(10.0, arrival="gamma", burstiness=burstiness, rng=random.Random(2)), 20000)
     assert 1 / statistics.mean(g) == pytest.approx(10.0, rel=0.04)
     cv = statistics.stdev(g) / statistics.mean(g)
-    assert cv == pytest.approx(burstiness ** -0.5, rel=0.06)
+    assert cv == pytest.approx(burstiness**-0.5, rel=0.06)
 
 
 def test_constant_and_seeded_determinism():

@@ -7,17 +7,15 @@ import pytest
 from loadtest.chunks import ChunkKind, interpret
 from loadtest.sse import SSEDecoder, SSEEvent, SSEProtocolError
 
-STREAM = (b": ping\n\ndata: {\"a\": 1}\n\nevent: update\nid: 7\ndata: line one\ndata: line two\n\n"
-          b"data: [DONE]\n\n")
-EXPECTED = [SSEEvent('{"a": 1}'), SSEEvent("line one\nline two", "update", "7"),
-            SSEEvent("[DONE]", id="7")]
+STREAM = b': ping\n\ndata: {"a": 1}\n\nevent: update\nid: 7\ndata: line one\ndata: line two\n\ndata: [DONE]\n\n'
+EXPECTED = [SSEEvent('{"a": 1}'), SSEEvent("line one\nline two", "update", "7"), SSEEvent("[DONE]", id="7")]
 
 
 def feed_in_pieces(raw: bytes, size: int) -> list[SSEEvent]:
     decoder = SSEDecoder()
     events = []
     for start in range(0, len(raw), size):
-        events += decoder.feed(raw[start:start + size])
+        events += decoder.feed(raw[start : start + size])
     return events + decoder.close()
 
 

@@ -8,15 +8,28 @@ import pytest
 from tests.standin import StandinConfig, build_app
 from tests.support import serve_in_thread
 
-MESSAGES = [{"role": "user", "content": "one two three four five six seven eight nine ten "
-                                        "eleven twelve thirteen fourteen fifteen sixteen"}]
+MESSAGES = [
+    {
+        "role": "user",
+        "content": "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen",
+    }
+]
 
 
 def stream(http, url, request_id, **body):
     lines = []
-    with http.stream("POST", f"{url}/v1/chat/completions", headers={"x-request-id": request_id},
-                     json={"model": "standin", "messages": MESSAGES, "stream": True,
-                           "stream_options": {"include_usage": True}, **body}) as response:
+    with http.stream(
+        "POST",
+        f"{url}/v1/chat/completions",
+        headers={"x-request-id": request_id},
+        json={
+            "model": "standin",
+            "messages": MESSAGES,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **body,
+        },
+    ) as response:
         assert response.status_code == 200
         lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     return [json.loads(line) for line in lines if line != "[DONE]"]
@@ -50,12 +63,14 @@ def test_cached_tokens_only_when_configured(engine):
     url, http = engine
     usage = stream(http, url, "x")[-1]["usage"]
     assert "prompt_tokens_details" not in usage  # vLLM's default: no details
-    with serve_in_thread(build_app(StandinConfig(ttft_ms=1, itl_ms=1, tokens=2,
-                                                 prompt_tokens_details=True))) as caching:
+    with serve_in_thread(
+        build_app(StandinConfig(ttft_ms=1, itl_ms=1, tokens=2, prompt_tokens_details=True))
+    ) as caching:
         first = stream(http, caching, "1")[-1]["usage"]
         second = stream(http, caching, "2")[-1]["usage"]
-        plain = http.post(f"{caching}/v1/chat/completions",
-                          json={"model": "standin", "messages": MESSAGES}).json()["usage"]
+        plain = http.post(f"{caching}/v1/chat/completions", json={"model": "standin", "messages": MESSAGES}).json()[
+            "usage"
+        ]
     assert first["prompt_tokens_details"] == {"cached_tokens": 0}
     # the same prompt again: its full 16-word blocks are found in the prefix cache
     assert second["prompt_tokens_details"]["cached_tokens"] == 16

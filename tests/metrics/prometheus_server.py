@@ -78,9 +78,7 @@ def run_prometheus(
         config = {
             "global": {"scrape_interval": interval, "evaluation_interval": interval},
             "rule_files": [str(p) for p in rule_files],
-            "scrape_configs": [
-                {"job_name": job, "static_configs": [{"targets": [scrape_url.split("://", 1)[1]]}]}
-            ],
+            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [scrape_url.split("://", 1)[1]]}]}],
         }
         config_file = Path(tmp) / "prometheus.yml"
         config_file.write_text(yaml.safe_dump(config))
@@ -102,9 +100,7 @@ def run_prometheus(
             try:
                 wait_http(url + "/-/ready", timeout=30)
             except TimeoutError:
-                raise RuntimeError(
-                    "prometheus did not start: " + (Path(tmp) / "prometheus.log").read_text()
-                ) from None
+                raise RuntimeError("prometheus did not start: " + (Path(tmp) / "prometheus.log").read_text()) from None
             yield Prometheus(url)
         finally:
             process.terminate()

@@ -85,9 +85,7 @@ def test_every_metric_name_in_dashboards_and_alerts_is_exported():
             assert name in names, f"{where}: {title}: {name} is not exported by the gateway"
             used.add(name)
     # And the dashboards show every family we export (engine and gateway alike).
-    families = {
-        re.sub(r"_(bucket|sum|count|total)$", "", n) for n in names if not n.endswith("_created")
-    }
+    families = {re.sub(r"_(bucket|sum|count|total)$", "", n) for n in names if not n.endswith("_created")}
     shown = {re.sub(r"_(bucket|sum|count|total)$", "", n) for n in used}
     assert families - shown == set()
 

@@ -40,6 +40,7 @@ def get(samples: dict, name: str, **labels: str) -> float:
 
 def settled_samples(url: str, requests: int) -> dict[tuple[str, frozenset], float]:
     """The gateway's samples once `requests` requests are counted (each is, just after its response)."""
+
     def counted(samples: dict) -> float:
         return sum(value for (name, _), value in samples.items() if name == "gateway_requests_total")
 
@@ -71,9 +72,7 @@ def hanging_engine():
 
 
 def make_gateway(*models: ModelEngines, interval: float = 0.1, **settings_fields) -> tuple:
-    settings = GatewaySettings(
-        models=list(models), metrics_scrape_interval=interval, **settings_fields
-    )
+    settings = GatewaySettings(models=list(models), metrics_scrape_interval=interval, **settings_fields)
     app = create_app(settings, plan_deployment(settings.models).served_models(), registry=CollectorRegistry())
     return app, app.state
 
@@ -81,8 +80,7 @@ def make_gateway(*models: ModelEngines, interval: float = 0.1, **settings_fields
 def test_ttft_once_per_stream_at_first_content_chunk_and_counters_by_status(standin_url, caplog):
     caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
     app, _ = make_gateway(ModelEngines(name="standin", urls=[standin_url]))
-    with serve_in_thread(app) as url, \
-            openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client:
+    with serve_in_thread(app) as url, openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client:
         messages = [{"role": "user", "content": "hello"}]
         streamed = 2
         for _ in range(streamed):
@@ -98,9 +96,7 @@ def test_ttft_once_per_stream_at_first_content_chunk_and_counters_by_status(stan
         plain = client.chat.completions.create(model="standin", messages=messages)
         assert plain.usage.completion_tokens == 6
         with pytest.raises(openai.APIStatusError) as failed:
-            client.chat.completions.create(
-                model="standin", messages=messages, extra_body={"standin": {"status": 400}}
-            )
+            client.chat.completions.create(model="standin", messages=messages, extra_body={"standin": {"status": 400}})
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model="nope", messages=messages)
         got = settled_samples(url, 5)

@@ -107,9 +107,7 @@ def test_model_label_set_is_capped():
     for i in range(10):
         m.request_started(f"m{i}")
         m.request_finished(f"m{i}", 404, 0.001, streamed=False)
-    models = {
-        dict(labels)["model"] for (name, labels) in samples(m) if name == "gateway_requests_total"
-    }
+    models = {dict(labels)["model"] for (name, labels) in samples(m) if name == "gateway_requests_total"}
     assert models == {"m0", "m1", "m2", OTHER_MODEL}
     assert value(m, "gateway_requests_total", model=OTHER_MODEL, code="404") == 7
     assert value(m, "gateway_requests_in_flight", model=OTHER_MODEL) == 0

@@ -10,8 +10,8 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
-from server.gateway.app import create_app
 from server.config import ServedModel
+from server.gateway.app import create_app
 from server.gateway.settings import GatewaySettings
 from tests.metrics.prometheus_server import run_prometheus
 from tests.metrics.test_dashboards_and_alerts import ALERTS, alert_exprs, dashboard_queries
@@ -60,9 +60,7 @@ def test_every_dashboard_query_and_alert_expression_returns_data(real_engine):
             )
             if stream:
                 chunks = list(
-                    client.chat.completions.create(
-                        **request, stream=True, stream_options={"include_usage": True}
-                    )
+                    client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True})
                 )
                 assert chunks[-1].usage.completion_tokens > 0
             else:
@@ -78,9 +76,7 @@ def test_every_dashboard_query_and_alert_expression_returns_data(real_engine):
             send(True, i)
             send(i == 3, i + 10)  # and two non-streaming ones
         prom.wait_until("sum(gateway_requests_total)", lambda r: total(r) == 8)
-        prom.wait_until(
-            "gateway_engine_prefix_cache_queries_total", lambda r: total(r) > queries_before
-        )
+        prom.wait_until("gateway_engine_prefix_cache_queries_total", lambda r: total(r) > queries_before)
         # One more scrape, so every rate has two points after the last request.
         scraped = total(prom.query("max(timestamp(gateway_requests_total))"))
         prom.wait_until("max(timestamp(gateway_requests_total))", lambda r: total(r) > scraped)

@@ -53,9 +53,17 @@ async def read_body(receive: Receive, headers: Headers, limit: int) -> bytes:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def send_bytes(send: Send, status: int, body: bytes, content_type: bytes,
-                     headers: Headers | None = None) -> None:
+async def send_bytes(send: Send, status: int, body: bytes, content_type: bytes, headers: Headers | None = None) -> None:
     """A complete response with a known length."""
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", content_type), (b"content-length", str(len(body)).encode()), *(headers or ())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", content_type),
+                (b"content-length", str(len(body)).encode()),
+                *(headers or ()),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body, "more_body": False})

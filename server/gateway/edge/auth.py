@@ -14,13 +14,12 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from server.gateway.errors import AuthenticationFailed
 from server.config import SettingsError
+from server.gateway.errors import AuthenticationFailed
 from server.gateway.settings import Auth
 
 
-def load_api_keys(config: Auth, environ: Mapping[str, str] | None = None,
-                  base: Path | None = None) -> list[bytes]:
+def load_api_keys(config: Auth, environ: Mapping[str, str] | None = None, base: Path | None = None) -> list[bytes]:
     """The accepted keys, from `config.api_keys_env` and `config.api_keys_file`.
 
     A variable or file that is there but holds no key (`""`, `","`, only comments) is refused:
@@ -31,8 +30,10 @@ def load_api_keys(config: Auth, environ: Mapping[str, str] | None = None,
     if config.api_keys_env in environ:
         from_env = [k.strip() for k in environ[config.api_keys_env].split(",") if k.strip()]
         if not from_env:
-            raise SettingsError(f"auth: ${config.api_keys_env} is set but holds no API key; set keys "
-                                f"(comma-separated) or unset it to run without keys")
+            raise SettingsError(
+                f"auth: ${config.api_keys_env} is set but holds no API key; set keys "
+                f"(comma-separated) or unset it to run without keys"
+            )
         keys += from_env
     if config.api_keys_file:
         path = Path(config.api_keys_file)
@@ -80,7 +81,8 @@ def check_api_key(headers: list[tuple[bytes, bytes]], keys: list[bytes]) -> None
         return
     token = bearer_token(headers)
     if token is None:
-        raise AuthenticationFailed("Missing API key: send it as `Authorization: Bearer YOUR_KEY`.",
-                                   headers=[(b"www-authenticate", b"Bearer")])
+        raise AuthenticationFailed(
+            "Missing API key: send it as `Authorization: Bearer YOUR_KEY`.", headers=[(b"www-authenticate", b"Bearer")]
+        )
     if not key_matches(token, keys):
         raise AuthenticationFailed("Incorrect API key provided.", headers=[(b"www-authenticate", b"Bearer")])

@@ -15,19 +15,24 @@ MAX_JSON_DEPTH = 64  # deeper nesting is refused before any code walks the body 
 
 
 def type_name(value: object) -> str:
-    names: dict[type, str] = {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
-                              float: "number", type(None): "null"}
+    names: dict[type, str] = {
+        dict: "object",
+        list: "array",
+        str: "string",
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+        type(None): "null",
+    }
     return names.get(type(value), type(value).__name__)
 
 
 def wrong_type(param: str, expected: str, value: object) -> InvalidRequest:
-    return InvalidRequest(f"`{param}` must be {expected}, got {type_name(value)}.", param=param,
-                          code="invalid_type")
+    return InvalidRequest(f"`{param}` must be {expected}, got {type_name(value)}.", param=param, code="invalid_type")
 
 
 def missing(param: str) -> InvalidRequest:
-    return InvalidRequest(f"Missing required parameter: `{param}`.", param=param,
-                          code="missing_required_parameter")
+    return InvalidRequest(f"Missing required parameter: `{param}`.", param=param, code="missing_required_parameter")
 
 
 def check_depth(value: object, limit: int = MAX_JSON_DEPTH) -> None:
@@ -54,14 +59,14 @@ def check_messages(body: dict[str, Any]) -> None:
     if not isinstance(messages, list):
         raise wrong_type("messages", "an array of message objects", messages)
     if not messages:
-        raise InvalidRequest("`messages` must contain at least one message.", param="messages",
-                             code="invalid_value")
+        raise InvalidRequest("`messages` must contain at least one message.", param="messages", code="invalid_value")
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise wrong_type(f"messages[{i}]", "an object", message)
         if not isinstance(message.get("role"), str):
-            raise InvalidRequest(f"`messages[{i}].role` must be a string.", param=f"messages[{i}].role",
-                                 code="invalid_type")
+            raise InvalidRequest(
+                f"`messages[{i}].role` must be a string.", param=f"messages[{i}].role", code="invalid_type"
+            )
 
 
 def check_prompt(body: dict[str, Any]) -> None:

@@ -72,8 +72,13 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("completions", "/v1/completions", check=check_prompt),
     _json("chat_batch", "/v1/chat/completions/batch"),
     Endpoint("responses", "/v1/responses", stream_format=RESPONSES, stores_responses=True),
-    Endpoint("responses_retrieve", "/v1/responses/{response_id}", method="GET", model_from="response_id",
-             stream_format=RESPONSES),
+    Endpoint(
+        "responses_retrieve",
+        "/v1/responses/{response_id}",
+        method="GET",
+        model_from="response_id",
+        stream_format=RESPONSES,
+    ),
     _json("responses_cancel", "/v1/responses/{response_id}/cancel", model_from="response_id"),
     Endpoint("messages", "/v1/messages", stream_format=ANTHROPIC),  # Anthropic's Messages API
     _json("messages_count_tokens", "/v1/messages/count_tokens"),
@@ -117,7 +122,7 @@ def match(path: str, method: str, endpoints: tuple[Endpoint, ...] = OTHERS) -> t
                 return endpoint, ""
             continue
         if path.startswith(prefix) and path.endswith(suffix) and len(path) > len(prefix) + len(suffix):
-            value = path[len(prefix):len(path) - len(suffix)]
+            value = path[len(prefix) : len(path) - len(suffix)]
             if "/" not in value:
                 return endpoint, value
     return None

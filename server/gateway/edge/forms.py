@@ -62,8 +62,9 @@ def multipart_fields(body: bytes, content_type: str, wanted: frozenset[str]) -> 
         if content.endswith(b"\r\n"):
             content = content[:-2]
         if len(content) > MAX_FIELD_BYTES:
-            raise InvalidRequest(f"The form field `{name}` is longer than {MAX_FIELD_BYTES} bytes.", param=name,
-                                 code="invalid_form")
+            raise InvalidRequest(
+                f"The form field `{name}` is longer than {MAX_FIELD_BYTES} bytes.", param=name, code="invalid_form"
+            )
         found[name] = content.decode("utf-8", "replace")
     return found
 
@@ -79,5 +80,7 @@ def form_fields(body: bytes, content_type: str | None, wanted: frozenset[str]) -
             if key in wanted and key not in found:
                 found[key] = value
         return found
-    raise InvalidRequest("This endpoint takes an upload: send it as multipart/form-data "
-                         f"(got {kind or 'no content type'}).", code="invalid_content_type")
+    raise InvalidRequest(
+        f"This endpoint takes an upload: send it as multipart/form-data (got {kind or 'no content type'}).",
+        code="invalid_content_type",
+    )

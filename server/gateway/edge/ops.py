@@ -1,10 +1,10 @@
 """The gateway's own GET endpoints: the model list, liveness, readiness and Prometheus metrics.
 
-    GET /v1/models               the union of the engines' model cards: base models, then LoRA adapters
-    GET /v1/models/{id}          one card (a model or an adapter), or 404 model_not_found
-    GET /health                  the gateway process is alive
-    GET /ready                   every model has a healthy engine and the gateway is not draining
-    GET /metrics                 Prometheus text (the gateway's and the engines' figures)
+GET /v1/models               the union of the engines' model cards: base models, then LoRA adapters
+GET /v1/models/{id}          one card (a model or an adapter), or 404 model_not_found
+GET /health                  the gateway process is alive
+GET /ready                   every model has a healthy engine and the gateway is not draining
+GET /metrics                 Prometheus text (the gateway's and the engines' figures)
 """
 
 from __future__ import annotations
@@ -74,8 +74,10 @@ async def alive(state: GatewayState, path: str) -> Answer:
 
 
 async def ready(state: GatewayState, path: str) -> Answer:
-    models: dict[str, Any] = {name: {"healthy": pool.healthy_count, "engines": len(pool.engines)}
-                              for name, pool in state.upstreams.models.items()}
+    models: dict[str, Any] = {
+        name: {"healthy": pool.healthy_count, "engines": len(pool.engines)}
+        for name, pool in state.upstreams.models.items()
+    }
     ok = state.upstreams.ready() and not state.draining
     body = {"ready": ok, "draining": state.draining, "models": models}
     return Answer(200 if ok else 503, dumps(body))
@@ -85,8 +87,7 @@ async def prometheus(state: GatewayState, path: str) -> Answer:
     return Answer(200, generate_latest(state.registry), CONTENT_TYPE_LATEST.encode())
 
 
-ROUTES: dict[str, Handler] = {"/v1/models": list_models, "/health": alive, "/ready": ready,
-                              "/metrics": prometheus}
+ROUTES: dict[str, Handler] = {"/v1/models": list_models, "/health": alive, "/ready": ready, "/metrics": prometheus}
 
 
 def find_route(path: str) -> Handler | None:

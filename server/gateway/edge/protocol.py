@@ -39,13 +39,15 @@ _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 503: b"Service Unavail
 def raw_error_response(exc: GatewayError) -> bytes:
     """A complete HTTP/1.1 error response, for answers written before any ASGI app runs."""
     body = error_body(exc)
-    return b"".join((
-        b"HTTP/1.1 %d %s\r\n" % (exc.status, _REASONS[exc.status]),
-        b"content-type: application/json\r\n",
-        b"content-length: %d\r\n" % len(body),
-        b"connection: close\r\n\r\n",
-        body,
-    ))
+    return b"".join(
+        (
+            b"HTTP/1.1 %d %s\r\n" % (exc.status, _REASONS[exc.status]),
+            b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body),
+            b"connection: close\r\n\r\n",
+            body,
+        )
+    )
 
 
 class ConnectionLimits:
@@ -76,8 +78,11 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.connections) > self.limits.max_connections:
-            self._refuse(TooManyConnections(
-                f"The gateway has {self.limits.max_connections} open connections, its limit; retry shortly."))
+            self._refuse(
+                TooManyConnections(
+                    f"The gateway has {self.limits.max_connections} open connections, its limit; retry shortly."
+                )
+            )
             return
         self._arm(self.limits.header_timeout, "headers")
 
@@ -119,8 +124,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         if stage == "headers" and (self.cycle is None or self.cycle.response_complete):
-            self._refuse(RequestTimeout(
-                f"The request's headers did not arrive within {self.limits.header_timeout:g} s."))
+            self._refuse(
+                RequestTimeout(f"The request's headers did not arrive within {self.limits.header_timeout:g} s.")
+            )
         else:  # the app is reading the body: closing makes it see a disconnect
             self.transport.close()
 
@@ -132,5 +138,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 def protocol_for(settings: Any) -> type[HttpToolsProtocol]:
     """The protocol class for a gateway's `limits` settings."""
     limits = settings.limits
-    return ConnectionLimits(header_timeout=limits.header_timeout, body_timeout=limits.body_timeout,
-                            max_connections=limits.max_client_connections).protocol()
+    return ConnectionLimits(
+        header_timeout=limits.header_timeout,
+        body_timeout=limits.body_timeout,
+        max_connections=limits.max_client_connections,
+    ).protocol()

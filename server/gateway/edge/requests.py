@@ -57,8 +57,16 @@ class GatewayRequest:
         self.raw = dumps(body)
 
 
-def parse_request(raw: bytes, endpoint: Endpoint, *, headers: Headers | None = None, request_id: str = "",
-                  path: str = "", query: bytes = b"", param: str = "") -> GatewayRequest:
+def parse_request(
+    raw: bytes,
+    endpoint: Endpoint,
+    *,
+    headers: Headers | None = None,
+    request_id: str = "",
+    path: str = "",
+    query: bytes = b"",
+    param: str = "",
+) -> GatewayRequest:
     """Parse and check a request for `endpoint`; raises InvalidRequest naming the OpenAI `param`.
 
     `path` and `query` are the client's (for endpoints with a path parameter, `param` is its value)."""
@@ -68,8 +76,16 @@ def parse_request(raw: bytes, endpoint: Endpoint, *, headers: Headers | None = N
     elif endpoint.model_from == "form":
         request = _parse_form(raw, endpoint, headers, request_id)
     else:
-        request = GatewayRequest(endpoint=endpoint, model="", stream=False, body={}, raw=raw, headers=headers,
-                                 request_id=request_id, response_id=param)
+        request = GatewayRequest(
+            endpoint=endpoint,
+            model="",
+            stream=False,
+            body={},
+            raw=raw,
+            headers=headers,
+            request_id=request_id,
+            response_id=param,
+        )
         request.stream = endpoint.streams and _query_flag(query, "stream")
         if raw.strip():
             request.content_type = (header_str(headers, b"content-type") or "application/json").encode("latin-1")
@@ -90,9 +106,16 @@ def _parse_form(raw: bytes, endpoint: Endpoint, headers: Headers, request_id: st
     if not model:
         raise missing("model")
     stream = endpoint.streams and fields.get("stream", "").strip().lower() == "true"
-    return GatewayRequest(endpoint=endpoint, model=model, stream=stream, body=dict(fields), raw=raw,
-                          headers=headers, request_id=request_id,
-                          content_type=(content_type or "").encode("latin-1"))
+    return GatewayRequest(
+        endpoint=endpoint,
+        model=model,
+        stream=stream,
+        body=dict(fields),
+        raw=raw,
+        headers=headers,
+        request_id=request_id,
+        content_type=(content_type or "").encode("latin-1"),
+    )
 
 
 def _parse_json(raw: bytes, endpoint: Endpoint, headers: Headers, request_id: str) -> GatewayRequest:
@@ -103,8 +126,7 @@ def _parse_json(raw: bytes, endpoint: Endpoint, headers: Headers, request_id: st
     except ValueError as exc:
         raise InvalidRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
-        raise InvalidRequest(f"The request body must be a JSON object, got {type_name(body)}.",
-                             code="invalid_json")
+        raise InvalidRequest(f"The request body must be a JSON object, got {type_name(body)}.", code="invalid_json")
     check_depth(body)
 
     model = body.get("model")
@@ -136,5 +158,6 @@ def _parse_json(raw: bytes, endpoint: Endpoint, headers: Headers, request_id: st
     if user is not None and not isinstance(user, str):
         raise wrong_type("user", "a string", user)
 
-    return GatewayRequest(endpoint=endpoint, model=model, stream=stream, body=body, raw=raw, headers=headers,
-                          request_id=request_id)
+    return GatewayRequest(
+        endpoint=endpoint, model=model, stream=stream, body=body, raw=raw, headers=headers, request_id=request_id
+    )

@@ -48,11 +48,22 @@ Hook = Callable[[], Awaitable[None]]
 class Gateway:
     """The ASGI app `create_app` assembles (see the module doc)."""
 
-    def __init__(self, *, state: GatewayState, proxy: Proxy, reporter: RequestReporter,
-                 steps: Sequence[RequestStep] = (), keys: list[bytes] | None = None, protect_ops: bool = False,
-                 max_body_bytes: int = 32 * 2**20, endpoints: Mapping[str, Endpoint] = BY_PATH,
-                 startup: Hook | None = None, shutdown: Hook | None = None, admin_keys: list[bytes] | None = None,
-                 max_upload_bytes: int = 25 * 2**20) -> None:
+    def __init__(
+        self,
+        *,
+        state: GatewayState,
+        proxy: Proxy,
+        reporter: RequestReporter,
+        steps: Sequence[RequestStep] = (),
+        keys: list[bytes] | None = None,
+        protect_ops: bool = False,
+        max_body_bytes: int = 32 * 2**20,
+        endpoints: Mapping[str, Endpoint] = BY_PATH,
+        startup: Hook | None = None,
+        shutdown: Hook | None = None,
+        admin_keys: list[bytes] | None = None,
+        max_upload_bytes: int = 25 * 2**20,
+    ) -> None:
         self.state = state
         self.proxy = proxy
         self.reporter = reporter
@@ -78,8 +89,7 @@ class Gateway:
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
 
-    async def _proxied(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send,
-                       param: str = "") -> None:
+    async def _proxied(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send, param: str = "") -> None:
         headers = scope["headers"]
         rid = request_id_from(headers)
         id_header = [(b"x-request-id", rid.encode())]
@@ -96,8 +106,15 @@ class Gateway:
         try:
             limit = self.max_upload_bytes if endpoint.model_from == "form" else self.max_body_bytes
             raw = await read_body(receive, headers, limit) if endpoint.method == "POST" else b""
-            request = parse_request(raw, endpoint, headers=headers, request_id=rid, path=scope["path"],
-                                    query=scope.get("query_string", b""), param=param)
+            request = parse_request(
+                raw,
+                endpoint,
+                headers=headers,
+                request_id=rid,
+                path=scope["path"],
+                query=scope.get("query_string", b""),
+                param=param,
+            )
             pool = resolve(self.state.upstreams, request)
             self.reporter.open(record, request.model)
             record.stream = request.stream
@@ -122,8 +139,11 @@ class Gateway:
             record.error = "internal error"
             if not record.started:
                 record.status = 500
-                await send_error(send, InternalError(
-                    f"The gateway failed unexpectedly; its log has the details under request id {rid}."), id_header)
+                await send_error(
+                    send,
+                    InternalError(f"The gateway failed unexpectedly; its log has the details under request id {rid}."),
+                    id_header,
+                )
         finally:
             if request is not None:
                 record.trimmed_messages, record.trimmed_tokens = request.trimmed_messages, request.trimmed_tokens
@@ -132,8 +152,10 @@ class Gateway:
     def _check_admin(self, headers: list[tuple[bytes, bytes]]) -> None:
         """Admin endpoints (runtime LoRA): the admin key, and refused outright when none is configured."""
         if not self.admin_keys:
-            raise PermissionDenied("Runtime LoRA updates through the gateway are off: give it admin keys "
-                                   "(auth.admin_keys_env, GATEWAY_ADMIN_KEYS by default).")
+            raise PermissionDenied(
+                "Runtime LoRA updates through the gateway are off: give it admin keys "
+                "(auth.admin_keys_env, GATEWAY_ADMIN_KEYS by default)."
+            )
         check_api_key(headers, self.admin_keys)
 
     async def _other(self, endpoint: Endpoint | None, scope: Scope, send: Send) -> None:
@@ -152,8 +174,9 @@ class Gateway:
             if method not in ("GET", "HEAD"):
                 raise MethodNotAllowed("Method not allowed on this endpoint.")
             answer = await route(self.state, path)
-            await send_bytes(send, answer.status, answer.body if method == "GET" else b"", answer.content_type,
-                             id_header)
+            await send_bytes(
+                send, answer.status, answer.body if method == "GET" else b"", answer.content_type, id_header
+            )
         except GatewayError as exc:
             await send_error(send, exc, id_header)
         except Exception:

@@ -46,8 +46,8 @@ def new_response_id(engine: Engine) -> str:
 def token_of(response_id: str) -> str | None:
     """The engine token of a response id the gateway made, or None."""
     end = len(PREFIX) + TOKEN_DIGITS
-    if response_id.startswith(PREFIX) and response_id[end:end + 1] == "-":
-        return response_id[len(PREFIX):end]
+    if response_id.startswith(PREFIX) and response_id[end : end + 1] == "-":
+        return response_id[len(PREFIX) : end]
     return None
 
 
@@ -58,8 +58,9 @@ def stored_on(pools: EnginePool, response_id: str, param: str) -> Engine:
         for engine in pools.engines():
             if engine_token(engine) == token:
                 return engine
-    raise ResponseNotFound(f"Response with id '{response_id}' not found: no engine behind this gateway "
-                           "stored it.", param=param)
+    raise ResponseNotFound(
+        f"Response with id '{response_id}' not found: no engine behind this gateway stored it.", param=param
+    )
 
 
 def find_pool(pools: EnginePool, model: str) -> tuple[ModelPool, str | None]:
@@ -88,8 +89,11 @@ def resolve(pools: EnginePool, request: GatewayRequest) -> ModelPool:
                 raise wrong_type("previous_response_id", "a string", previous)
             engine = stored_on(pools, previous, "previous_response_id")
             if engine not in pool.engines:
-                raise ResponseNotFound(f"Response with id '{previous}' not found: it was stored by an engine "
-                                       f"of model `{engine.model}`, not `{pool.name}`.", param="previous_response_id")
+                raise ResponseNotFound(
+                    f"Response with id '{previous}' not found: it was stored by an engine "
+                    f"of model `{engine.model}`, not `{pool.name}`.",
+                    param="previous_response_id",
+                )
             request.pin = engine
     return pool
 

@@ -23,8 +23,12 @@ def adapter_cards(cards: Iterable[Any], base: str) -> dict[str, dict[str, Any]]:
     """The adapters among an engine's /v1/models cards (those with a `parent`), by name."""
     found: dict[str, dict[str, Any]] = {}
     for card in cards:
-        if isinstance(card, dict) and isinstance(name := card.get("id"), str) and name != base \
-                and card.get("parent") is not None:
+        if (
+            isinstance(card, dict)
+            and isinstance(name := card.get("id"), str)
+            and name != base
+            and card.get("parent") is not None
+        ):
             found[name] = card
     return found
 
@@ -58,8 +62,16 @@ def adapter_names(pools: EnginePool) -> set[str]:
 
 def loaded(engine: Engine, name: str, path: str | None) -> None:
     """`engine` answered a load of adapter `name` with success: route it there from now on."""
-    engine.adapters[name] = {"id": name, "object": "model", "created": 0, "owned_by": "vllm", "root": path,
-                             "parent": engine.model, "max_model_len": None, "permission": []}
+    engine.adapters[name] = {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "vllm",
+        "root": path,
+        "parent": engine.model,
+        "max_model_len": None,
+        "permission": [],
+    }
 
 
 def unloaded(engine: Engine, name: str) -> None:

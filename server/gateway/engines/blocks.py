@@ -42,15 +42,16 @@ def root(namespace: str = "") -> bytes:
     return _ROOT if not namespace else hashlib.blake2b(namespace.encode(), digest_size=8).digest()
 
 
-def token_blocks(tokens: Sequence[int], block_size: int, *, parent: bytes | None = None,
-                 namespace: str = "") -> list[BlockKey]:
+def token_blocks(
+    tokens: Sequence[int], block_size: int, *, parent: bytes | None = None, namespace: str = ""
+) -> list[BlockKey]:
     """The keys of the full `block_size`-token blocks of `tokens`, chained from `parent` (else the root)."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     previous = parent if parent is not None else root(namespace)
     keys: list[BlockKey] = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        content = array("q", tokens[start:start + block_size]).tobytes()
+        content = array("q", tokens[start : start + block_size]).tobytes()
         previous = _chain(previous, content)
         keys.append(int.from_bytes(previous, "big"))
     return keys
@@ -68,7 +69,7 @@ def text_blocks(text: str, block_chars: int, *, namespace: str = "") -> list[Blo
     previous = root(namespace)
     keys: list[BlockKey] = []
     for start in range(0, len(text) - block_chars + 1, block_chars):
-        previous = _chain(previous, text[start:start + block_chars].encode("utf-8", "surrogatepass"))
+        previous = _chain(previous, text[start : start + block_chars].encode("utf-8", "surrogatepass"))
         keys.append(int.from_bytes(previous, "big"))
     return keys
 

@@ -56,8 +56,7 @@ class PromptView:
     def token_keys(self, block_size: int) -> list[BlockKey]:
         keys = self._token_keys.get(block_size)
         if keys is None:
-            keys = self._token_keys[block_size] = token_blocks(self.tokens or (), block_size,
-                                                               namespace=self.namespace)
+            keys = self._token_keys[block_size] = token_blocks(self.tokens or (), block_size, namespace=self.namespace)
         return keys
 
 
@@ -69,8 +68,11 @@ def tokenize_request(model: str, body: Mapping[str, Any]) -> dict[str, Any] | No
     """The /tokenize body that yields the token ids the engine will prefill for `body`."""
     messages = body.get("messages")
     if isinstance(messages, list):
-        request: dict[str, Any] = {"model": model, "messages": messages,
-                                   "add_generation_prompt": body.get("add_generation_prompt", True)}
+        request: dict[str, Any] = {
+            "model": model,
+            "messages": messages,
+            "add_generation_prompt": body.get("add_generation_prompt", True),
+        }
         for key in ("tools", "continue_final_message", "chat_template_kwargs"):
             if body.get(key) is not None:
                 request[key] = body[key]
@@ -107,8 +109,14 @@ class EngineTokenizer:
 class CacheState:
     """The gateway's two prefix indexes, and how a prompt is read and matched against them."""
 
-    def __init__(self, *, approximate: ApproximateIndex | None = None, precise: PreciseIndex | None = None,
-                 tokenize: Tokenize | None = None, block_chars: int = 256) -> None:
+    def __init__(
+        self,
+        *,
+        approximate: ApproximateIndex | None = None,
+        precise: PreciseIndex | None = None,
+        tokenize: Tokenize | None = None,
+        block_chars: int = 256,
+    ) -> None:
         self.approximate = approximate if approximate is not None else ApproximateIndex()
         self.precise = precise if precise is not None else PreciseIndex()
         self.tokenize = tokenize
@@ -119,8 +127,15 @@ class CacheState:
         """Every one of `engines` has live KV events."""
         return bool(engines) and all(self.precise.is_live(e.id) for e in engines)
 
-    async def read(self, model: str, body: Mapping[str, Any], engines: Sequence[Engine], *,
-                   precise: bool, adapter: str | None = None) -> PromptView | None:
+    async def read(
+        self,
+        model: str,
+        body: Mapping[str, Any],
+        engines: Sequence[Engine],
+        *,
+        precise: bool,
+        adapter: str | None = None,
+    ) -> PromptView | None:
         """`body`'s prompt in blocks; tokenized by one of `engines` when precise routing can use it."""
         text = prompt_text(body)
         if text is None:
@@ -134,11 +149,17 @@ class CacheState:
 
     def block_size(self, engine: Engine, configured: int | None) -> int:
         """The engine's KV block size: from its events, its metrics, its profile, or vLLM's default."""
-        return (self.precise.block_size(engine.id) or engine.metrics.block_size or configured
-                or DEFAULT_BLOCK_SIZE)
+        return self.precise.block_size(engine.id) or engine.metrics.block_size or configured or DEFAULT_BLOCK_SIZE
 
-    def candidates(self, engines: Sequence[Engine], prompt: PromptView | None, now: float, *,
-                   precise: bool, configured_block_size: int | None = None) -> tuple[str, int, list[Candidate]]:
+    def candidates(
+        self,
+        engines: Sequence[Engine],
+        prompt: PromptView | None,
+        now: float,
+        *,
+        precise: bool,
+        configured_block_size: int | None = None,
+    ) -> tuple[str, int, list[Candidate]]:
         """(source, prompt blocks, one candidate per engine) for scoring."""
         if prompt is None:
             return "none", 0, [Candidate(e) for e in engines]
@@ -148,15 +169,18 @@ class CacheState:
             for engine in engines:
                 keys = prompt.token_keys(self.block_size(engine, configured_block_size))
                 blocks = max(blocks, len(keys))
-                out.append(Candidate(engine, self.precise.matched(engine.id, keys, now),
-                                     self.precise.held(engine.id)))
+                out.append(Candidate(engine, self.precise.matched(engine.id, keys, now), self.precise.held(engine.id)))
             return "precise", blocks, out
         keys = prompt.text_keys
-        return "approximate", len(keys), [
-            Candidate(e, self.approximate.matched(e.id, keys, now), self.approximate.held(e.id)) for e in engines]
+        return (
+            "approximate",
+            len(keys),
+            [Candidate(e, self.approximate.matched(e.id, keys, now), self.approximate.held(e.id)) for e in engines],
+        )
 
-    def sent(self, engine: Engine, prompt: PromptView | None, now: float, *,
-             configured_block_size: int | None = None) -> None:
+    def sent(
+        self, engine: Engine, prompt: PromptView | None, now: float, *, configured_block_size: int | None = None
+    ) -> None:
         """`prompt` was routed to `engine`: the approximate record, and speculative precise entries."""
         if prompt is None:
             return

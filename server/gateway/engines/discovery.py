@@ -103,11 +103,17 @@ def engine_url(address: Address) -> str:
 class EngineDiscovery:
     """Keeps the engines of every model with `dns` names equal to what those names resolve to."""
 
-    def __init__(self, pool: EnginePool, models: Iterable[ServedModel], lookup: Lookup, *,
-                 interval: float = 5.0,
-                 join: Callable[[Engine], Awaitable[None]] | None = None,
-                 leave: Callable[[Engine], None] | None = None,
-                 planned_kv_tokens: Callable[[ServedModel], int | None] | None = None) -> None:
+    def __init__(
+        self,
+        pool: EnginePool,
+        models: Iterable[ServedModel],
+        lookup: Lookup,
+        *,
+        interval: float = 5.0,
+        join: Callable[[Engine], Awaitable[None]] | None = None,
+        leave: Callable[[Engine], None] | None = None,
+        planned_kv_tokens: Callable[[ServedModel], int | None] | None = None,
+    ) -> None:
         self.pool = pool
         self.lookup = lookup
         self.interval = interval
@@ -165,11 +171,19 @@ class EngineDiscovery:
         pool.engines = [engine for engine in pool.engines if engine not in gone] + added
         for engine in added:
             found[engine.url] = engine
-            log.info("engine %s for model %s found by DNS (%s)", engine.id, model,
-                     "healthy" if engine.healthy else f"not healthy yet: {engine.last_error}")
+            log.info(
+                "engine %s for model %s found by DNS (%s)",
+                engine.id,
+                model,
+                "healthy" if engine.healthy else f"not healthy yet: {engine.last_error}",
+            )
         for engine in gone:
             del found[engine.url]
-            log.info("engine %s for model %s left DNS; %d request(s) in flight finish there",
-                     engine.id, model, engine.outstanding)
+            log.info(
+                "engine %s for model %s left DNS; %d request(s) in flight finish there",
+                engine.id,
+                model,
+                engine.outstanding,
+            )
             if self._leave is not None:
                 self._leave(engine)

@@ -85,8 +85,13 @@ def _event(raw: Any) -> Event | None:
         if not isinstance(hashes, list) or not isinstance(tokens, list) or not isinstance(size, int):
             return None
         lora = raw.get("lora_name")
-        return Stored([_hashable(h) for h in hashes], _hashable(raw.get("parent_block_hash")), tokens, size,
-                      lora if isinstance(lora, str) else None)
+        return Stored(
+            [_hashable(h) for h in hashes],
+            _hashable(raw.get("parent_block_hash")),
+            tokens,
+            size,
+            lora if isinstance(lora, str) else None,
+        )
     if kind == "BlockRemoved":
         hashes = raw.get("block_hashes")
         return Removed([_hashable(h) for h in hashes]) if isinstance(hashes, list) else None
@@ -113,8 +118,14 @@ def apply(index: PreciseIndex, engine: str, events: Sequence[Event]) -> None:
     """Write one batch's events for `engine` to the index, in order."""
     for event in events:
         if isinstance(event, Stored):
-            index.stored(engine, block_hashes=event.block_hashes, parent=event.parent, token_ids=event.token_ids,
-                         block_size=event.block_size, namespace=event.lora_name or "")
+            index.stored(
+                engine,
+                block_hashes=event.block_hashes,
+                parent=event.parent,
+                token_ids=event.token_ids,
+                block_size=event.block_size,
+                namespace=event.lora_name or "",
+            )
         elif isinstance(event, Removed):
             index.removed(engine, event.block_hashes)
         else:
@@ -138,8 +149,9 @@ class Sequencer:
 class KvEventSubscriber:
     """One background task per engine: subscribe to its KV events and keep the index current."""
 
-    def __init__(self, index: PreciseIndex, endpoints: Mapping[str, str], *,
-                 context: zmq.asyncio.Context | None = None) -> None:
+    def __init__(
+        self, index: PreciseIndex, endpoints: Mapping[str, str], *, context: zmq.asyncio.Context | None = None
+    ) -> None:
         self.index = index
         self.endpoints = dict(endpoints)  # engine id -> tcp://host:port
         self._context = context
@@ -152,8 +164,10 @@ class KvEventSubscriber:
             return
         if self._context is None:
             self._context = zmq.asyncio.Context()
-        self._tasks = [asyncio.create_task(self._run(engine, endpoint), name=f"kv events {engine}")
-                       for engine, endpoint in self.endpoints.items()]
+        self._tasks = [
+            asyncio.create_task(self._run(engine, endpoint), name=f"kv events {engine}")
+            for engine, endpoint in self.endpoints.items()
+        ]
 
     async def aclose(self) -> None:
         tasks, self._tasks = self._tasks, []
@@ -215,8 +229,9 @@ class KvEventSubscriber:
         previous = sequencer.last
         reason = sequencer.check(seq)
         if reason is not None:
-            log.warning("engine %s: KV event sequence %s (%d after %s); its blocks are forgotten",
-                        engine, reason, seq, previous)
+            log.warning(
+                "engine %s: KV event sequence %s (%d after %s); its blocks are forgotten", engine, reason, seq, previous
+            )
             self.index.purge(engine, reason)
         self.index.set_live(engine, True)
         apply(self.index, engine, events)
@@ -233,19 +248,25 @@ class KvEventsCollector:
         return iter(())
 
     def collect(self) -> Iterator[Metric]:
-        live = GaugeMetricFamily("gateway_engine_kv_events_up",
-                                 "1 while the engine's KV events are received (precise prefix routing).",
-                                 labels=["model", "engine"])
-        blocks = GaugeMetricFamily("gateway_engine_kv_events_blocks",
-                                   "KV-cache blocks the engine holds, per its events.", labels=["model", "engine"])
-        purges = CounterMetricFamily("gateway_engine_kv_events_purges",
-                                     "Times the engine's indexed blocks were forgotten, by reason "
-                                     "(connect, disconnect, gap, restart, cleared).",
-                                     labels=["model", "engine", "reason"])
+        live = GaugeMetricFamily(
+            "gateway_engine_kv_events_up",
+            "1 while the engine's KV events are received (precise prefix routing).",
+            labels=["model", "engine"],
+        )
+        blocks = GaugeMetricFamily(
+            "gateway_engine_kv_events_blocks",
+            "KV-cache blocks the engine holds, per its events.",
+            labels=["model", "engine"],
+        )
+        purges = CounterMetricFamily(
+            "gateway_engine_kv_events_purges",
+            "Times the engine's indexed blocks were forgotten, by reason (connect, disconnect, gap, restart, cleared).",
+            labels=["model", "engine", "reason"],
+        )
         for engine, model in self.models.items():
             state = self.index.engines.get(engine)
             live.add_metric([model, engine], 1.0 if state is not None and state.live else 0.0)
             blocks.add_metric([model, engine], float(len(state.held)) if state is not None else 0.0)
-            for reason, count in (state.purges.items() if state is not None else ()):
+            for reason, count in state.purges.items() if state is not None else ():
                 purges.add_metric([model, engine, reason], float(count))
         yield from (live, blocks, purges)

@@ -53,22 +53,36 @@ class ModelPool:
         decision = self.route(policy, key=key, exclude=exclude)
         return decision.engine if decision is not None else None
 
-    async def prompt(self, policy: Routing, body: Mapping[str, Any], *,
-                     adapter: str | None = None) -> PromptView | None:
+    async def prompt(
+        self, policy: Routing, body: Mapping[str, Any], *, adapter: str | None = None
+    ) -> PromptView | None:
         """The request's prompt in blocks, for `route` (None unless the policy is cache_aware)."""
         if policy.policy != "cache_aware":
             return None
-        return await self.cache.read(self.name, body, self.engines, precise=policy.prefix_index == "precise",
-                                     adapter=adapter)
+        return await self.cache.read(
+            self.name, body, self.engines, precise=policy.prefix_index == "precise", adapter=adapter
+        )
 
-    def route(self, policy: Routing, *, key: bytes | None = None, prompt: PromptView | None = None,
-              exclude: Iterable[Engine] = ()) -> Decision | None:
+    def route(
+        self,
+        policy: Routing,
+        *,
+        key: bytes | None = None,
+        prompt: PromptView | None = None,
+        exclude: Iterable[Engine] = (),
+    ) -> Decision | None:
         """Choose a replica, count the request against it and say why; None if no healthy one is left."""
         self._turn += 1
         exclude = tuple(exclude)
         if policy.policy != "cache_aware":
-            chosen = routing.choose_with_reason(self.engines, key=key, max_imbalance=policy.max_imbalance,
-                                                turn=self._turn, policy=policy.policy, exclude=exclude)
+            chosen = routing.choose_with_reason(
+                self.engines,
+                key=key,
+                max_imbalance=policy.max_imbalance,
+                turn=self._turn,
+                policy=policy.policy,
+                exclude=exclude,
+            )
             if chosen is None:
                 return None
             chosen[0].outstanding += 1
@@ -78,12 +92,19 @@ class ModelPool:
             return None
         now = time.monotonic()
         precise = policy.prefix_index == "precise"
-        source, blocks, candidates = self.cache.candidates(live, prompt, now, precise=precise,
-                                                           configured_block_size=self.configured_block_size)
+        source, blocks, candidates = self.cache.candidates(
+            live, prompt, now, precise=precise, configured_block_size=self.configured_block_size
+        )
         preferred = routing.rendezvous_order(key, live)[0] if routing.is_session_key(key) and key else None
-        decision = choose_scored(candidates, weights=policy.weights_for(self.name), prompt_blocks=blocks,
-                                 preferred=preferred, max_imbalance=policy.max_imbalance, turn=self._turn,
-                                 source=source)
+        decision = choose_scored(
+            candidates,
+            weights=policy.weights_for(self.name),
+            prompt_blocks=blocks,
+            preferred=preferred,
+            max_imbalance=policy.max_imbalance,
+            turn=self._turn,
+            source=source,
+        )
         assert decision is not None  # `live` is not empty
         decision.engine.outstanding += 1
         self.cache.sent(decision.engine, prompt, now, configured_block_size=self.configured_block_size)

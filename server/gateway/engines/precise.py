@@ -80,8 +80,16 @@ class PreciseIndex:
 
     # -- events --------------------------------------------------------------------------------
 
-    def stored(self, engine: str, *, block_hashes: Sequence[Hashable], parent: Hashable | None,
-               token_ids: Sequence[int], block_size: int, namespace: str = "") -> int:
+    def stored(
+        self,
+        engine: str,
+        *,
+        block_hashes: Sequence[Hashable],
+        parent: Hashable | None,
+        token_ids: Sequence[int],
+        block_size: int,
+        namespace: str = "",
+    ) -> int:
         """A `BlockStored` event; returns how many blocks were keyed."""
         state = self.state(engine)
         count = len(block_hashes)

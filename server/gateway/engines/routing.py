@@ -42,8 +42,9 @@ def choose(
     `turn` is a counter the caller advances per request (tie-breaking and round robin);
     `exclude` holds replicas already tried for this request.
     """
-    chosen = choose_with_reason(engines, key=key, max_imbalance=max_imbalance, turn=turn, policy=policy,
-                                exclude=exclude)
+    chosen = choose_with_reason(
+        engines, key=key, max_imbalance=max_imbalance, turn=turn, policy=policy, exclude=exclude
+    )
     return chosen[0] if chosen is not None else None
 
 

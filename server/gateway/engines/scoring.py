@@ -120,8 +120,9 @@ def session_score(engine: Engine, preferred: Engine | None) -> float:
     return 1.0 if engine is preferred else 0.0
 
 
-def score_parts(candidates: Sequence[Candidate], *, prompt_blocks: int, preferred: Engine | None,
-                scale: float) -> list[dict[str, float]]:
+def score_parts(
+    candidates: Sequence[Candidate], *, prompt_blocks: int, preferred: Engine | None, scale: float
+) -> list[dict[str, float]]:
     """Every scorer's value for every candidate (unweighted, 0..1)."""
     most_held = max((c.held for c in candidates), default=0)
     most_waiting = max((c.engine.metrics.waiting or 0.0 for c in candidates), default=0.0)
@@ -143,9 +144,16 @@ def total(parts: dict[str, float], weights: Weights) -> float:
     return sum(float(getattr(weights, name)) * value for name, value in parts.items())
 
 
-def choose_scored(candidates: Sequence[Candidate], *, weights: Weights, prompt_blocks: int = 0,
-                  preferred: Engine | None = None, max_imbalance: int = 8, turn: int = 0,
-                  source: str = "none") -> Decision | None:
+def choose_scored(
+    candidates: Sequence[Candidate],
+    *,
+    weights: Weights,
+    prompt_blocks: int = 0,
+    preferred: Engine | None = None,
+    max_imbalance: int = 8,
+    turn: int = 0,
+    source: str = "none",
+) -> Decision | None:
     """The best-scoring candidate within the load bound, or None when there is no candidate."""
     if not candidates:
         return None
@@ -162,10 +170,19 @@ def choose_scored(candidates: Sequence[Candidate], *, weights: Weights, prompt_b
         reason = "tie"
     else:
         runner_up = max((i for i in range(len(eligible)) if i != winner), key=lambda i: totals[i])
-        lead = {name: float(getattr(weights, name)) * (parts[winner][name] - parts[runner_up][name])
-                for name in SCORERS}
+        lead = {
+            name: float(getattr(weights, name)) * (parts[winner][name] - parts[runner_up][name]) for name in SCORERS
+        }
         reason = max(SCORERS, key=lambda name: lead[name])
         if reason == "balance" and parts[winner]["prefix"] > parts[runner_up]["prefix"]:
             reason = "prefix"  # into equally full caches, balance follows the prefix: it adds fewer blocks
-    return Decision(eligible[winner].engine, reason, "cache_aware", source, prompt_blocks, tuple(eligible),
-                    tuple(totals), parts[winner])
+    return Decision(
+        eligible[winner].engine,
+        reason,
+        "cache_aware",
+        source,
+        prompt_blocks,
+        tuple(eligible),
+        tuple(totals),
+        parts[winner],
+    )

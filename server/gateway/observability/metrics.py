@@ -75,16 +75,14 @@ class GatewayMetrics:
         reg = self.registry
         self._ttft = Histogram(
             "gateway_time_to_first_token_seconds",
-            "Streaming requests only: from the request's arrival at the gateway to the first "
-            "content token leaving it.",
+            "Streaming requests only: from the request's arrival at the gateway to the first content token leaving it.",
             ["model"],
             buckets=TTFT_BUCKETS,
             registry=reg,
         )
         self._itl = Histogram(
             "gateway_inter_token_latency_seconds",
-            "Streaming requests only: time between two consecutive content chunks sent to the "
-            "client.",
+            "Streaming requests only: time between two consecutive content chunks sent to the client.",
             ["model"],
             buckets=ITL_BUCKETS,
             registry=reg,
@@ -92,7 +90,7 @@ class GatewayMetrics:
         self._duration = Histogram(
             "gateway_request_duration_seconds",
             "From the request's arrival to the end of its response (last byte of a stream, or "
-            "the whole body); stream=\"false\" is the full-response time of non-streaming "
+            'the whole body); stream="false" is the full-response time of non-streaming '
             "requests.",
             ["model", "stream"],
             buckets=DURATION_BUCKETS,
@@ -243,4 +241,3 @@ class GatewayMetrics:
             series.trimmed_messages.inc(messages)
         if tokens:
             series.trimmed_tokens.inc(tokens)
-

@@ -98,10 +98,17 @@ class RequestReporter:
                 metrics.routing_decision(model, str(record.routing.get("reason")))
         if self.log_request is not None:
             self.log_request(
-                request_id=record.request_id, model=record.model, engine=record.engine, status=record.status,
+                request_id=record.request_id,
+                model=record.model,
+                engine=record.engine,
+                status=record.status,
                 stream=record.stream,
                 ttft_s=record.first_token_at - record.arrived if record.first_token_at else None,
-                duration_s=duration, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                trimmed_messages=record.trimmed_messages, trimmed_tokens=record.trimmed_tokens,
-                error=record.error, routing=record.routing,
+                duration_s=duration,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                trimmed_messages=record.trimmed_messages,
+                trimmed_tokens=record.trimmed_tokens,
+                error=record.error,
+                routing=record.routing,
             )

@@ -21,11 +21,23 @@ Reason = Literal["first_byte", "idle", "total", "disconnect"]
 class Deadlines:
     """The request's timers and disconnect watcher (see the module doc)."""
 
-    __slots__ = ("task", "reason", "last", "_loop", "_handle", "_armed", "_streaming", "_first_byte_at",
-                 "_total_at", "_idle", "_watcher")
+    __slots__ = (
+        "task",
+        "reason",
+        "last",
+        "_loop",
+        "_handle",
+        "_armed",
+        "_streaming",
+        "_first_byte_at",
+        "_total_at",
+        "_idle",
+        "_watcher",
+    )
 
-    def __init__(self, task: asyncio.Task[None], arrived: float, first_byte: float, idle: float, total: float,
-                 receive: Receive) -> None:
+    def __init__(
+        self, task: asyncio.Task[None], arrived: float, first_byte: float, idle: float, total: float, receive: Receive
+    ) -> None:
         self.task = task
         self.reason: Reason | None = None
         self._loop = asyncio.get_running_loop()

@@ -61,10 +61,22 @@ from server.gateway.settings import GatewaySettings
 log = logging.getLogger("gateway.proxy")
 
 # Response headers that describe the engine's connection, not the answer.
-_DROPPED_RESPONSE_HEADERS = frozenset({
-    b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"date", b"server",
-    b"proxy-authenticate", b"proxy-connection", b"te", b"trailer", b"upgrade", b"x-request-id",
-})
+_DROPPED_RESPONSE_HEADERS = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"content-length",
+        b"date",
+        b"server",
+        b"proxy-authenticate",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"x-request-id",
+    }
+)
 
 
 class _Retry(Exception):
@@ -79,8 +91,9 @@ class _Retry(Exception):
 class Proxy:
     """Forwards requests to engines; one instance per app."""
 
-    def __init__(self, *, settings: GatewaySettings, upstream: Upstream, metrics: RequestMetrics,
-                 forward_auth: bool = False) -> None:
+    def __init__(
+        self, *, settings: GatewaySettings, upstream: Upstream, metrics: RequestMetrics, forward_auth: bool = False
+    ) -> None:
         self.settings = settings
         # `post()` of UpstreamTransport (or of any httpx client through ClientUpstream): no
         # httpx.Request/Response objects on the hot path, ~100 us less per request than a client.
@@ -104,8 +117,9 @@ class Proxy:
             target = self._targets[key] = self.upstream.target(engine.url + path, method)
         return target
 
-    async def forward(self, request: GatewayRequest, pool: ModelPool, record: RequestRecord,
-                      receive: Receive, send: Send) -> None:
+    async def forward(
+        self, request: GatewayRequest, pool: ModelPool, record: RequestRecord, receive: Receive, send: Send
+    ) -> None:
         """Answer `request` from one of `pool`'s engines; refusals before the answer started are raised."""
         await Exchange(self, request, record, send).run(pool, receive)
 
@@ -113,16 +127,27 @@ class Proxy:
         """Send `request` to every replica of `pool` and answer with all their outcomes (proxy.fanout)."""
         status, body = await fan_out(self, request, pool, upstream_headers(request, self.forward_auth))
         record.status, record.started = status, True
-        await send({"type": "http.response.start", "status": status, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"x-request-id", request.request_id.encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"x-request-id", request.request_id.encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 def upstream_headers(request: GatewayRequest, forward_auth: bool) -> Headers:
     """The headers an engine gets: the body's type, the request id, and the client's key when we have none."""
-    headers = [(b"content-type", request.content_type), (b"x-request-id", request.request_id.encode()),
-               (b"accept-encoding", b"identity")]
+    headers = [
+        (b"content-type", request.content_type),
+        (b"x-request-id", request.request_id.encode()),
+        (b"accept-encoding", b"identity"),
+    ]
     accept = request.header(b"accept")
     headers.append((b"accept", accept.encode("latin-1") if accept else b"*/*"))
     if forward_auth:
@@ -166,8 +191,13 @@ class Exchange:
         settings = self.proxy.settings
         routing = settings.routing
         session = self.request.header(routing.session_header.lower().encode())
-        key = affinity_key(self.request.body, session=session, prefix_affinity=routing.prefix_affinity,
-                           prefix_chars=routing.prefix_chars, prefix_min_chars=routing.prefix_min_chars)
+        key = affinity_key(
+            self.request.body,
+            session=session,
+            prefix_affinity=routing.prefix_affinity,
+            prefix_chars=routing.prefix_chars,
+            prefix_min_chars=routing.prefix_min_chars,
+        )
         prompt = await pool.prompt(routing, self.request.body, adapter=self.request.adapter)  # cache_aware only
         attempts = settings.retries.max_attempts
         barred = excluded(self.request, pool)
@@ -186,25 +216,35 @@ class Exchange:
                 return
             except _Retry as retry:
                 failure = retry
-                log.warning("request %s: engine %s failed before the first byte (%s)%s", self.record.request_id,
-                            engine.id, retry.error.message, "; retrying" if attempt + 1 < attempts else "")
+                log.warning(
+                    "request %s: engine %s failed before the first byte (%s)%s",
+                    self.record.request_id,
+                    engine.id,
+                    retry.error.message,
+                    "; retrying" if attempt + 1 < attempts else "",
+                )
             finally:
                 pool.release(engine)
             more = attempt + 1 < attempts
-            if more and settings.retries.backoff and any(e.healthy and e not in tried and e not in barred
-                                                         for e in pool.engines):
+            if (
+                more
+                and settings.retries.backoff
+                and any(e.healthy and e not in tried and e not in barred for e in pool.engines)
+            ):
                 await asyncio.sleep(settings.retries.backoff * 2**attempt)
         pin = self.request.pin
-        if pin is not None and (failure is None or failure.response is None
-                                and isinstance(failure.error, NoEngineAvailable)):
+        if pin is not None and (
+            failure is None or failure.response is None and isinstance(failure.error, NoEngineAvailable)
+        ):
             which = self.request.response_id or self.request.body.get("previous_response_id")
-            raise ResponseNotFound(f"Response with id '{which}' not found: the engine that stored it ({pin.id}) "
-                                   "is down, and stored responses live in its memory.",
-                                   param="response_id" if self.request.response_id else "previous_response_id")
+            raise ResponseNotFound(
+                f"Response with id '{which}' not found: the engine that stored it ({pin.id}) "
+                "is down, and stored responses live in its memory.",
+                param="response_id" if self.request.response_id else "previous_response_id",
+            )
         if failure is None:
             adapter = f" serving adapter `{self.request.adapter}`" if self.request.adapter else ""
-            raise NoEngineAvailable(f"No healthy engine for model `{pool.name}`{adapter} right now; "
-                                    "try again shortly.")
+            raise NoEngineAvailable(f"No healthy engine for model `{pool.name}`{adapter} right now; try again shortly.")
         if failure.response is not None:  # the engine's own 503: the client sees it as the engine sent it
             status, headers, content = failure.response
             self.record.error = failure.error.message
@@ -234,13 +274,17 @@ class Exchange:
         proxy = self.proxy
         request = self.request
         endpoint = request.endpoint
-        target = (proxy.target(engine, request.path, endpoint.method, cache=False) if request.path
-                  else proxy.target(engine, endpoint.path, endpoint.method))
+        target = (
+            proxy.target(engine, request.path, endpoint.method, cache=False)
+            if request.path
+            else proxy.target(engine, endpoint.path, endpoint.method)
+        )
         response: UpstreamResponse | None = None
         try:
             try:
-                response = await proxy.upstream.post(target, self._upstream_headers(), body_for(request, engine),
-                                                     connect_timeout=proxy.connect_timeout)
+                response = await proxy.upstream.post(
+                    target, self._upstream_headers(), body_for(request, engine), connect_timeout=proxy.connect_timeout
+                )
             except httpx.HTTPError as exc:
                 self._raise(exc, engine, Stage.CONNECT)
             assert response is not None
@@ -317,8 +361,13 @@ class Exchange:
                 failure = self._failed(exc, engine, Stage.STREAM)
                 record.error = failure.error.message
                 log.warning("request %s: %s", record.request_id, failure.error.message)
-                await send({"type": "http.response.body", "body": stream_format.error_event(failure.error, last),
-                            "more_body": True})
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": stream_format.error_event(failure.error, last),
+                        "more_body": True,
+                    }
+                )
         except asyncio.CancelledError:  # a deadline: its error event follows the last chunk (see run)
             self.last = last
             raise
@@ -358,8 +407,11 @@ class Exchange:
             record.status, record.error = CLIENT_CLOSED, "client disconnected"
             return
         t = self.proxy.settings.timeouts
-        name, limit = {"first_byte": ("first byte", t.first_byte), "idle": ("idle", t.idle),
-                       "total": ("total", t.total)}[reason]
+        name, limit = {
+            "first_byte": ("first byte", t.first_byte),
+            "idle": ("idle", t.idle),
+            "total": ("total", t.total),
+        }[reason]
         where = f" {record.engine}" if record.engine else ""
         exc = UpstreamTimeout(f"Engine{where} exceeded the gateway's {name} timeout of {limit:g} s.")
         record.error = exc.message
@@ -376,8 +428,9 @@ class Exchange:
         """The server's grace period is over: end a started stream properly instead of cutting it."""
         record = self.record
         if record.started and self.request.stream:
-            exc = UpstreamFailed("The gateway is shutting down; the stream was cut at its grace deadline.",
-                                 code="gateway_shutdown")
+            exc = UpstreamFailed(
+                "The gateway is shutting down; the stream was cut at its grace deadline.", code="gateway_shutdown"
+            )
             record.error = exc.message
             try:
                 event = self.request.endpoint.stream_format.error_event(exc, self.last)

@@ -20,8 +20,7 @@ import httpx
 from server.gateway.errors import GatewayError, NoEngineAvailable, UpstreamFailed, UpstreamTimeout
 
 # Errors that say "this engine, not this request".
-RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
-             httpx.WriteError)
+RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
 class Stage(Enum):
@@ -38,17 +37,22 @@ class Failure:
     engine_down: str | None = None  # why the engine should be marked down, if it should
 
 
-def upstream_failure(exc: httpx.HTTPError, engine: str, model: str, stage: Stage,
-                     connect_timeout: float) -> Failure:
+def upstream_failure(exc: httpx.HTTPError, engine: str, model: str, stage: Stage, connect_timeout: float) -> Failure:
     """The gateway's answer to `exc`, raised while talking to engine `engine` of `model` at `stage`."""
     kind = type(exc).__name__
     if stage is Stage.CONNECT:
         if isinstance(exc, httpx.ConnectTimeout):
-            return Failure(UpstreamTimeout(f"Engine {engine} of model `{model}` did not accept a connection "
-                                           f"within {connect_timeout:g} s."), True, f"{kind}: {exc}")
+            return Failure(
+                UpstreamTimeout(
+                    f"Engine {engine} of model `{model}` did not accept a connection within {connect_timeout:g} s."
+                ),
+                True,
+                f"{kind}: {exc}",
+            )
         if isinstance(exc, httpx.ConnectError):
-            return Failure(NoEngineAvailable(f"Engine {engine} of model `{model}` is unreachable ({exc})."),
-                           True, f"{kind}: {exc}")
+            return Failure(
+                NoEngineAvailable(f"Engine {engine} of model `{model}` is unreachable ({exc})."), True, f"{kind}: {exc}"
+            )
         if isinstance(exc, RETRYABLE):
             return Failure(UpstreamFailed(f"Engine {engine} closed the connection before answering ({kind})."), True)
         if isinstance(exc, httpx.TimeoutException):

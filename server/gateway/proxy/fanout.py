@@ -67,9 +67,13 @@ async def _one(proxy: Proxy, request: GatewayRequest, engine: Engine, headers: l
         return Outcome(engine.id, 0, f"engine is down ({engine.last_error or 'failed its health check'})")
     endpoint = request.endpoint
     try:
-        response = await proxy.upstream.post(proxy.target(engine, endpoint.path), headers, request.raw,
-                                             connect_timeout=proxy.connect_timeout,
-                                             read_timeout=proxy.settings.timeouts.first_byte)
+        response = await proxy.upstream.post(
+            proxy.target(engine, endpoint.path),
+            headers,
+            request.raw,
+            connect_timeout=proxy.connect_timeout,
+            read_timeout=proxy.settings.timeouts.first_byte,
+        )
         try:
             content = await response.aread()
         finally:
@@ -79,8 +83,9 @@ async def _one(proxy: Proxy, request: GatewayRequest, engine: Engine, headers: l
     return Outcome(engine.id, response.status_code, _message(response.status_code, content))
 
 
-async def fan_out(proxy: Proxy, request: GatewayRequest, pool: ModelPool,
-                  headers: list[tuple[bytes, bytes]]) -> tuple[int, bytes]:
+async def fan_out(
+    proxy: Proxy, request: GatewayRequest, pool: ModelPool, headers: list[tuple[bytes, bytes]]
+) -> tuple[int, bytes]:
     """Send `request` to every replica of `pool`; (status, JSON body) of the gateway's answer."""
     outcomes = await asyncio.gather(*(_one(proxy, request, engine, headers) for engine in pool.engines))
     name = request.body.get("lora_name")
@@ -96,8 +101,15 @@ async def fan_out(proxy: Proxy, request: GatewayRequest, pool: ModelPool,
     results = [{"engine": o.engine, "status": o.status, "message": o.message} for o in outcomes]
     failed = [o for o in outcomes if o.status != 200]
     if not failed:
-        return 200, dumps({"object": "lora_adapter.update", "model": pool.name, "lora_name": name,
-                           "action": "load" if loading else "unload", "engines": results})
+        return 200, dumps(
+            {
+                "object": "lora_adapter.update",
+                "model": pool.name,
+                "lora_name": name,
+                "action": "load" if loading else "unload",
+                "engines": results,
+            }
+        )
     status = failed[0].status or 502
     summary = "; ".join(f"{o.engine}: {o.status or 'no answer'} {o.message}" for o in outcomes)
     error = FanOutFailed(status, f"{len(failed)} of {len(outcomes)} replicas of `{pool.name}` refused: {summary}")

@@ -67,7 +67,7 @@ def usage_from_event(event: bytes) -> dict[str, Any] | None:
     if start == -1 or event[:start].strip() and not event[:start].lstrip().startswith(b"event:"):
         return None
     try:
-        payload = loads(event[start + 5:])
+        payload = loads(event[start + 5 :])
     except ValueError:
         return None
     return _usage_of(payload)

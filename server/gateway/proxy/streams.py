@@ -54,8 +54,7 @@ def responses_error_event(exc: GatewayError, last: bytes) -> bytes:
     """An `error` event of the Responses API, numbered after the last event the client received."""
     numbers = _SEQUENCE.findall(last)
     sequence = int(numbers[-1]) + 1 if numbers else 0
-    event = {"type": "error", "code": exc.code, "message": exc.message, "param": exc.param,
-             "sequence_number": sequence}
+    event = {"type": "error", "code": exc.code, "message": exc.message, "param": exc.param, "sequence_number": sequence}
     return b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
 
 

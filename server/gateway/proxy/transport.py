@@ -140,8 +140,9 @@ class _Connection(asyncio.Protocol):
     async def read_head(self, timeout: float | None) -> None:
         while not self.head_done:
             if self.failure is not None:
-                raise httpx.RemoteProtocolError(f"Server disconnected without sending a response ({self.failure}).",
-                                                request=self.request)
+                raise httpx.RemoteProtocolError(
+                    f"Server disconnected without sending a response ({self.failure}).", request=self.request
+                )
             await self._wait(timeout)
 
     async def read_chunk(self, timeout: float | None) -> bytes:
@@ -153,7 +154,8 @@ class _Connection(asyncio.Protocol):
             if self.failure is not None:
                 raise httpx.RemoteProtocolError(
                     f"peer closed connection without sending complete message body ({self.failure})",
-                    request=self.request)
+                    request=self.request,
+                )
             await self._wait(timeout)
         data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
@@ -192,8 +194,15 @@ class Upstream(Protocol):
 
     def target(self, url: str, method: str = "POST") -> Any: ...
 
-    async def post(self, target: Any, headers: list[tuple[bytes, bytes]], body: bytes, *,
-                   connect_timeout: float | None = None, read_timeout: float | None = None) -> UpstreamResponse: ...
+    async def post(
+        self,
+        target: Any,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        *,
+        connect_timeout: float | None = None,
+        read_timeout: float | None = None,
+    ) -> UpstreamResponse: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,8 +271,9 @@ class _Body(httpx.AsyncByteStream):
 class UpstreamTransport(httpx.AsyncBaseTransport):
     """httpx transport for gateway -> engine traffic (see the module doc)."""
 
-    def __init__(self, *, max_connections: int = 1024, keepalive_expiry: float = 30.0,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self, *, max_connections: int = 1024, keepalive_expiry: float = 30.0, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
         self.max_connections = max_connections
         self.keepalive_expiry = keepalive_expiry
         self.ssl_context = ssl_context
@@ -278,21 +288,27 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         while origin.idle:
             connection = origin.idle.pop()
             transport = connection.transport
-            if (not connection.closed and transport is not None and not transport.is_closing()
-                    and now - connection.idle_since < self.keepalive_expiry):
+            if (
+                not connection.closed
+                and transport is not None
+                and not transport.is_closing()
+                and now - connection.idle_since < self.keepalive_expiry
+            ):
                 return connection
             connection.close()
         return None
 
-    async def _connect(self, scheme: bytes, host: str, port: int, timeout: float | None,
-                       request: httpx.Request | None) -> _Connection:
+    async def _connect(
+        self, scheme: bytes, host: str, port: int, timeout: float | None, request: httpx.Request | None
+    ) -> _Connection:
         loop = asyncio.get_running_loop()
         tls = scheme == b"https"
         context = (self.ssl_context or ssl.create_default_context()) if tls else None
         try:
             async with asyncio.timeout(timeout):
                 _, connection = await loop.create_connection(
-                    lambda: _Connection(loop), host, port, ssl=context, server_hostname=host if tls else None)
+                    lambda: _Connection(loop), host, port, ssl=context, server_hostname=host if tls else None
+                )
         except TimeoutError:
             raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out", request=request) from None
         except OSError as exc:
@@ -305,19 +321,28 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         scheme, host = parsed.raw_scheme, parsed.raw_host
         port = parsed.port or _DEFAULT_PORTS.get(scheme, 80)
         host_header = host if parsed.port is None else host + b":" + str(port).encode()
-        return Target((scheme, host, port), host.decode("ascii"), method.encode("ascii") + b" " + parsed.raw_path
-                      + b" HTTP/1.1\r\nhost: " + host_header + b"\r\n")
+        return Target(
+            (scheme, host, port),
+            host.decode("ascii"),
+            method.encode("ascii") + b" " + parsed.raw_path + b" HTTP/1.1\r\nhost: " + host_header + b"\r\n",
+        )
 
-    async def post(self, target: Target, headers: list[tuple[bytes, bytes]], body: bytes, *,
-                   connect_timeout: float | None = None, read_timeout: float | None = None) -> _Body:
+    async def post(
+        self,
+        target: Target,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        *,
+        connect_timeout: float | None = None,
+        read_timeout: float | None = None,
+    ) -> _Body:
         """Send `body` to `target` (a POST unless the target says otherwise); the answer once its headers
         arrived (raises httpx's exceptions)."""
         lines = [target.request_line]
         for name, value in headers:
             lines += [name, b": ", value, b"\r\n"]
         lines += [b"content-length: ", str(len(body)).encode(), b"\r\n\r\n"]
-        return await self._exchange(target.key, target.host, b"".join(lines), body, connect_timeout, read_timeout,
-                                    None)
+        return await self._exchange(target.key, target.host, b"".join(lines), body, connect_timeout, read_timeout, None)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         """The same, for an httpx.AsyncClient built on this transport (health checks, /tokenize)."""
@@ -326,14 +351,32 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         port = url.port or _DEFAULT_PORTS.get(scheme, 80)
         timeouts: dict[str, Any] = request.extensions.get("timeout", {})
         head, body = await _serialize(request)
-        answer = await self._exchange((scheme, host, port), host.decode("ascii"), head, body,
-                                      timeouts.get("connect"), timeouts.get("read"), request)
-        return httpx.Response(status_code=answer.status_code, headers=answer.headers, stream=answer,
-                              extensions={"http_version": b"HTTP/1.1"})
+        answer = await self._exchange(
+            (scheme, host, port),
+            host.decode("ascii"),
+            head,
+            body,
+            timeouts.get("connect"),
+            timeouts.get("read"),
+            request,
+        )
+        return httpx.Response(
+            status_code=answer.status_code,
+            headers=answer.headers,
+            stream=answer,
+            extensions={"http_version": b"HTTP/1.1"},
+        )
 
-    async def _exchange(self, key: tuple[bytes, bytes, int], host: str, head: bytes, body: bytes,
-                        connect_timeout: float | None, read_timeout: float | None,
-                        request: httpx.Request | None) -> _Body:
+    async def _exchange(
+        self,
+        key: tuple[bytes, bytes, int],
+        host: str,
+        head: bytes,
+        body: bytes,
+        connect_timeout: float | None,
+        read_timeout: float | None,
+        request: httpx.Request | None,
+    ) -> _Body:
         origin = self._origins.get(key)
         if origin is None:
             origin = self._origins[key] = _Origin(self.max_connections)
@@ -417,10 +460,16 @@ class ClientUpstream:
     def target(self, url: str, method: str = "POST") -> tuple[str, httpx.URL]:
         return method, httpx.URL(url)
 
-    async def post(self, target: tuple[str, httpx.URL], headers: list[tuple[bytes, bytes]], body: bytes, *,
-                   connect_timeout: float | None = None, read_timeout: float | None = None) -> _ClientResponse:
-        timeout = httpx.Timeout(connect=connect_timeout, read=read_timeout, write=connect_timeout,
-                                pool=connect_timeout)
+    async def post(
+        self,
+        target: tuple[str, httpx.URL],
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        *,
+        connect_timeout: float | None = None,
+        read_timeout: float | None = None,
+    ) -> _ClientResponse:
+        timeout = httpx.Timeout(connect=connect_timeout, read=read_timeout, write=connect_timeout, pool=connect_timeout)
         method, url = target
         request = self.client.build_request(method, url, content=body, headers=headers, timeout=timeout)
         return _ClientResponse(await self.client.send(request, stream=True))

@@ -33,15 +33,20 @@ def _connect(url: str) -> socket.socket:
     return socket.create_connection((parts.host, parts.port), timeout=WAIT_TIMEOUT)
 
 
-@pytest.mark.parametrize("request_bytes", [
-    b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: abc\r\n\r\n",
-    b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n",
-    b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nabc\r\n",
-    b"BREW /v1/chat/completions HTTP/1.1\r\nhost: x\r\n\r\n",
-    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 not http at all\r\n\r\n",
-], ids=["bad-content-length", "cl-and-te", "bad-chunk-size", "unknown-method", "tls-to-plain-port"])
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: abc\r\n\r\n",
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n"
+        b"transfer-encoding: chunked\r\n\r\n0\r\n\r\n",
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nabc\r\n",
+        b"BREW /v1/chat/completions HTTP/1.1\r\nhost: x\r\n\r\n",
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 not http at all\r\n\r\n",
+    ],
+    ids=["bad-content-length", "cl-and-te", "bad-chunk-size", "unknown-method", "tls-to-plain-port"],
+)
 def test_malformed_http_is_answered_400_in_the_envelope(engines, gateway, request_bytes):
-    engine, = engines(1)
+    (engine,) = engines(1)
     gw = gateway(fast_settings({"standin": [engine.url]}))
     with _connect(gw.url) as sock:
         sock.sendall(request_bytes)
@@ -52,7 +57,7 @@ def test_malformed_http_is_answered_400_in_the_envelope(engines, gateway, reques
 
 
 def test_silent_and_slowloris_connections_are_answered_408_and_closed(engines, gateway):
-    engine, = engines(1)
+    (engine,) = engines(1)
     gw = gateway(fast_settings({"standin": [engine.url]}, limits={"header_timeout": 0.3}))
     with _connect(gw.url) as silent, _connect(gw.url) as slow:
         slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")  # and never the rest
@@ -63,11 +68,13 @@ def test_silent_and_slowloris_connections_are_answered_408_and_closed(engines, g
 
 
 def test_a_body_that_never_finishes_closes_the_connection_and_nothing_stays_in_flight(engines, gateway):
-    engine, = engines(1)
+    (engine,) = engines(1)
     gw = gateway(fast_settings({"standin": [engine.url]}, limits={"body_timeout": 0.3}))
     with _connect(gw.url) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                     b"content-length: 1000\r\n\r\n{\"model\": ")
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b'content-length: 1000\r\n\r\n{"model": '
+        )
         assert _read_all(sock) == b""  # closed without an answer: nobody is listening any more
     assert engine.stats()["started"] == 0
 
@@ -80,9 +87,9 @@ def test_a_body_that_never_finishes_closes_the_connection_and_nothing_stays_in_f
 
 
 def test_connections_beyond_the_cap_are_answered_503_and_closed(engines, gateway):
-    engine, = engines(1)
+    (engine,) = engines(1)
     gw = gateway(fast_settings({"standin": [engine.url]}, limits={"max_client_connections": 2}))
-    with _connect(gw.url) as first, _connect(gw.url) as second, _connect(gw.url) as third:
+    with _connect(gw.url) as first, _connect(gw.url), _connect(gw.url) as third:
         status, body = _envelope(_read_all(third))
         assert (status, body["error"]["code"]) == (503, "too_many_connections")
         first.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")

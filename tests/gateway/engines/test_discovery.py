@@ -39,8 +39,9 @@ class Zone(BaseResolver):  # type: ignore[misc]
     def serve_ports(self, ports: list[int]) -> None:
         """SRV: one engine on 127.0.0.1 per port."""
         records = {SERVICE: [RR(SERVICE, QTYPE.SRV, rdata=SRV(0, 0, port, f"e{port}.test."), ttl=0) for port in ports]}
-        records.update({f"e{port}.test.": [RR(f"e{port}.test.", QTYPE.A, rdata=A("127.0.0.1"), ttl=0)]
-                        for port in ports})
+        records.update(
+            {f"e{port}.test.": [RR(f"e{port}.test.", QTYPE.A, rdata=A("127.0.0.1"), ttl=0)] for port in ports}
+        )
         with self.lock:
             self.records = records
 
@@ -208,20 +209,24 @@ def test_an_unreachable_dns_server_keeps_the_engines_known(dns_zone):
     run_discovery(zone, nameserver, "_http._tcp.engines.test", step)
 
 
-@pytest.mark.parametrize("dns", ["engine-tiny.default.svc:8000", "_http._tcp.engine-tiny.default.svc",
-                                 ["a.test:1", "_x._tcp.b.test"]])
+@pytest.mark.parametrize(
+    "dns", ["engine-tiny.default.svc:8000", "_http._tcp.engine-tiny.default.svc", ["a.test:1", "_x._tcp.b.test"]]
+)
 def test_dns_names_that_are_accepted(dns):
     assert ModelEngines(name="m", dns=dns).dns == ([dns] if isinstance(dns, str) else dns)
 
 
-@pytest.mark.parametrize(("entry", "message"), [
-    ({"name": "m", "dns": "engine-tiny"}, "give the port"),
-    ({"name": "m", "dns": "engine tiny:8000"}, "expected NAME:PORT"),
-    ({"name": "m", "dns": "http://engine:8000"}, "expected NAME:PORT"),
-    ({"name": "m", "dns": "engine:0"}, "1..65535"),
-    ({"name": "m", "dns": "engine:8000", "urls": ["http://x:1"]}, "not both"),
-    ({"dns": "engine:8000"}, "needs `name`"),
-])
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"name": "m", "dns": "engine-tiny"}, "give the port"),
+        ({"name": "m", "dns": "engine tiny:8000"}, "expected NAME:PORT"),
+        ({"name": "m", "dns": "http://engine:8000"}, "expected NAME:PORT"),
+        ({"name": "m", "dns": "engine:0"}, "1..65535"),
+        ({"name": "m", "dns": "engine:8000", "urls": ["http://x:1"]}, "not both"),
+        ({"dns": "engine:8000"}, "needs `name`"),
+    ],
+)
 def test_dns_names_that_are_refused(entry, message):
     with pytest.raises(ValidationError, match=message):
         ModelEngines.model_validate(entry)

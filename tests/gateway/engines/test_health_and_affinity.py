@@ -112,8 +112,7 @@ def test_affinity_yields_to_load_beyond_max_imbalance(engines, gateway):
     a, b = engines(2, ttft_ms=1, itl_ms=1, tokens=2)
     for engine in (a, b):
         engine.faults(hold=True)
-    gw = gateway(fast_settings({"standin": [a.url, b.url]}, routing={"max_imbalance": 2},
-                               timeouts={"first_byte": 60}))
+    gw = gateway(fast_settings({"standin": [a.url, b.url]}, routing={"max_imbalance": 2}, timeouts={"first_byte": 60}))
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(post, gw, chat_body(), **{"x-session-id": "hot"}) for _ in range(8)]
         wait_for(lambda: a.stats()["held"] + b.stats()["held"] == 8)

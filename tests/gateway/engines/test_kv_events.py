@@ -36,8 +36,16 @@ PROMPT = list(range(1000, 1016))  # four blocks of 4 tokens
 
 
 def stored_event(hashes: list[Any], parent: Any, tokens: list[int], size: int = 4) -> dict[str, Any]:
-    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
-            "block_size": size, "lora_id": None, "medium": "GPU", "lora_name": None}
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": size,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
 
 
 def message(seq: int, *events: object) -> list[bytes]:
@@ -48,21 +56,40 @@ def message(seq: int, *events: object) -> list[bytes]:
 
 
 def test_decode_reads_vllms_tagged_maps():
-    seq, events = decode(message(7, stored_event([b"h1"], None, PROMPT[:4]),
-                                 {"type": "BlockRemoved", "block_hashes": [b"h1"], "medium": "GPU"},
-                                 {"type": "AllBlocksCleared"}, {"type": "SomethingNew"}))
+    seq, events = decode(
+        message(
+            7,
+            stored_event([b"h1"], None, PROMPT[:4]),
+            {"type": "BlockRemoved", "block_hashes": [b"h1"], "medium": "GPU"},
+            {"type": "AllBlocksCleared"},
+            {"type": "SomethingNew"},
+        )
+    )
     assert seq == 7
     assert events == [Stored([b"h1"], None, PROMPT[:4], 4), Removed([b"h1"]), Cleared()]
 
 
 def test_decode_reads_the_array_form_of_older_vllm():
-    _, events = decode(message(0, ["BlockStored", [5, 6], 4, PROMPT[:8], 4, None, "GPU", "sql-lora"],
-                               ["BlockRemoved", [5], "GPU"], ["AllBlocksCleared"]))
+    _, events = decode(
+        message(
+            0,
+            ["BlockStored", [5, 6], 4, PROMPT[:8], 4, None, "GPU", "sql-lora"],
+            ["BlockRemoved", [5], "GPU"],
+            ["AllBlocksCleared"],
+        )
+    )
     assert events == [Stored([5, 6], 4, PROMPT[:8], 4, "sql-lora"), Removed([5]), Cleared()]
 
 
-@pytest.mark.parametrize("frames", [[b"kv", b"\x00" * 8], [b"kv", b"\x00", b"\x90"], [b"kv", b"\x00" * 8, b"\xc1"],
-                                    [b"kv", b"\x00" * 8, msgspec.msgpack.encode({"events": []})]])
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [b"kv", b"\x00" * 8],
+        [b"kv", b"\x00", b"\x90"],
+        [b"kv", b"\x00" * 8, b"\xc1"],
+        [b"kv", b"\x00" * 8, msgspec.msgpack.encode({"events": []})],
+    ],
+)
 def test_decode_refuses_what_is_not_an_event_batch(frames: list[bytes]) -> None:
     with pytest.raises(EventError):
         decode(frames)
@@ -155,8 +182,11 @@ def test_the_collector_shows_live_blocks_and_purges():
     assert up == {"a:1": 1.0, "b:1": 0.0}
     blocks = {s.labels["engine"]: s.value for s in families["gateway_engine_kv_events_blocks"].samples}
     assert blocks == {"a:1": 1.0, "b:1": 0.0}
-    purges = [(s.labels["engine"], s.labels["reason"], s.value)
-              for s in families["gateway_engine_kv_events_purges"].samples if s.name.endswith("_total")]
+    purges = [
+        (s.labels["engine"], s.labels["reason"], s.value)
+        for s in families["gateway_engine_kv_events_purges"].samples
+        if s.name.endswith("_total")
+    ]
     assert purges == [("b:1", "disconnect", 1.0)]
 
 
@@ -179,8 +209,9 @@ async def test_while_an_engines_endpoint_is_down_routing_is_approximate():
     routing = Routing(policy="cache_aware", prefix_index="precise")
     body = {"messages": [{"role": "user", "content": "the same long question, " * 8}]}
     with refusing_port() as port_a, refusing_port() as port_b:  # nothing will ever publish there
-        subscriber = KvEventSubscriber(cache.precise, {"a:1": f"tcp://127.0.0.1:{port_a}",
-                                                       "b:1": f"tcp://127.0.0.1:{port_b}"})
+        subscriber = KvEventSubscriber(
+            cache.precise, {"a:1": f"tcp://127.0.0.1:{port_a}", "b:1": f"tcp://127.0.0.1:{port_b}"}
+        )
         await subscriber.start()
         try:
             decisions = []

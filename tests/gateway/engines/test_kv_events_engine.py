@@ -24,15 +24,25 @@ pytestmark = pytest.mark.engine
 
 ROOT = Path(__file__).resolve().parents[3]
 PROFILE = ROOT / "configs" / "profiles" / "tiny-cpu-routing.yaml"
-BODY = {"model": "tiny", "max_tokens": 4, "messages": [
-    {"role": "system", "content": "You are the travel desk of tenant forty-two. " + "Plan trips with care. " * 60},
-    {"role": "user", "content": "Two days in Lisbon?"}]}
+BODY = {
+    "model": "tiny",
+    "max_tokens": 4,
+    "messages": [
+        {"role": "system", "content": "You are the travel desk of tenant forty-two. " + "Plan trips with care. " * 60},
+        {"role": "user", "content": "Two days in Lisbon?"},
+    ],
+}
 
 
 def start_engine(port: int, log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
-        process = subprocess.Popen([sys.executable, "-m", "server", "engine", str(PROFILE), "--port", str(port)],
-                                   cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "server", "engine", str(PROFILE), "--port", str(port)],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def healthy() -> bool:
         if process.poll() is not None:
@@ -50,9 +60,13 @@ def start_engine(port: int, log: Path) -> subprocess.Popen[bytes]:
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
     port = free_port()
     log = tmp_path_factory.mktemp("kv-events") / "engine.log"
-    state: dict[str, object] = {"port": port, "log": log, "process": start_engine(port, log),
-                                "url": f"http://127.0.0.1:{port}",
-                                "events": f"tcp://127.0.0.1:{local_kv_events_port(port)}"}
+    state: dict[str, object] = {
+        "port": port,
+        "log": log,
+        "process": start_engine(port, log),
+        "url": f"http://127.0.0.1:{port}",
+        "events": f"tcp://127.0.0.1:{local_kv_events_port(port)}",
+    }
     try:
         yield state
     finally:
@@ -69,7 +83,7 @@ async def test_events_arrive_blocks_are_attributed_and_a_restarted_engine_is_pur
     try:
         async with httpx.AsyncClient(timeout=120) as client:
             await async_wait_for(lambda: index.is_live("e"), timeout=60, what="subscribed to the engine's events")
-            tokens = (await client.post(f"{url}/tokenize", json={"model": "tiny", "messages": BODY["messages"]}))
+            tokens = await client.post(f"{url}/tokenize", json={"model": "tiny", "messages": BODY["messages"]})
             keys = token_blocks(tokens.json()["tokens"], 128)
             assert len(keys) >= 3
 

@@ -19,8 +19,11 @@ def chat(tenant: int, question: str) -> dict[str, object]:
 # -- block keys ----------------------------------------------------------------------------------
 
 
-@given(st.lists(st.integers(0, 50_000), max_size=60), st.lists(st.integers(0, 50_000), max_size=60),
-       st.sampled_from([1, 4, 16]))
+@given(
+    st.lists(st.integers(0, 50_000), max_size=60),
+    st.lists(st.integers(0, 50_000), max_size=60),
+    st.sampled_from([1, 4, 16]),
+)
 def test_token_keys_are_equal_exactly_as_far_as_the_full_blocks_are(a: list[int], b: list[int], size: int) -> None:
     ka, kb = token_blocks(a, size), token_blocks(b, size)
     assert len(ka) == len(a) // size
@@ -46,7 +49,7 @@ def test_text_blocks_of_two_tenants_share_the_system_prompts_common_part_only():
     common = next(i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y)
     a, b = text_blocks(ta, 64), text_blocks(tb, 64)
     shared = sum(1 for x, y in zip(a, b, strict=False) if x == y)
-    assert shared == common // 64 and a[: shared] == b[: shared]
+    assert shared == common // 64 and a[:shared] == b[:shared]
 
 
 def test_prompt_text_reads_chat_and_completions_and_nothing_else():
@@ -95,8 +98,9 @@ def test_approximate_memory_is_bounded_oldest_first():
 # -- the precise index ---------------------------------------------------------------------------
 
 
-def stored(index: PreciseIndex, engine: str, hashes: list[object], parent: object, tokens: list[int],
-           size: int = 4) -> int:
+def stored(
+    index: PreciseIndex, engine: str, hashes: list[object], parent: object, tokens: list[int], size: int = 4
+) -> int:
     return index.stored(engine, block_hashes=hashes, parent=parent, token_ids=tokens, block_size=size)
 
 

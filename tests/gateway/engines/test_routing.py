@@ -75,8 +75,7 @@ def test_affinity_moves_to_the_next_preferred_engine_past_the_bound():
     assert choose(engines, key=b"hot", max_imbalance=9).id == order[0]
 
 
-@given(st.lists(st.integers(0, 50), min_size=1, max_size=8), st.binary(min_size=1, max_size=40),
-       st.integers(1, 10))
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=8), st.binary(min_size=1, max_size=40), st.integers(1, 10))
 def test_the_chosen_engine_is_never_more_than_max_imbalance_above_the_least_loaded(loads, key, bound):
     engines = [E(f"e{i}", load) for i, load in enumerate(loads)]
     chosen = choose(engines, key=key, max_imbalance=bound)
@@ -105,11 +104,14 @@ def test_affinity_key_precedence_session_then_user_then_prefix():
     assert affinity_key({"prompt": "short"}, session=None, **kwargs) is None
 
 
-@pytest.mark.parametrize(("body", "expected"), [
-    ({"prompt": "abcdef"}, "abcd"),
-    ({"prompt": ["abcdef", "zzz"]}, "abcd"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}]}]}, "\x1euser\x1fab"[:4]),
-])
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"prompt": "abcdef"}, "abcd"),
+        ({"prompt": ["abcdef", "zzz"]}, "abcd"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}]}]}, "\x1euser\x1fab"[:4]),
+    ],
+)
 def test_prompt_prefix(body, expected):
     assert prompt_prefix(body, 4) == expected
 

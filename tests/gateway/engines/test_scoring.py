@@ -72,12 +72,17 @@ def test_session_scores_the_preferred_replica_only():
     assert session_score(a, a) == 1.0 and session_score(b, a) == 0.0 and session_score(a, None) == 0.0
 
 
-@given(matched=st.lists(st.integers(0, 20), min_size=1, max_size=5), blocks=st.integers(0, 20),
-       held=st.lists(st.integers(0, 500), min_size=5, max_size=5), load=st.lists(st.integers(0, 40), min_size=5,
-                                                                                  max_size=5))
+@given(
+    matched=st.lists(st.integers(0, 20), min_size=1, max_size=5),
+    blocks=st.integers(0, 20),
+    held=st.lists(st.integers(0, 500), min_size=5, max_size=5),
+    load=st.lists(st.integers(0, 40), min_size=5, max_size=5),
+)
 def test_every_score_is_between_0_and_1(matched: list[int], blocks: int, held: list[int], load: list[int]) -> None:
-    candidates = [Candidate(E(f"e{i}", load[i], kv_usage=i / 4, waiting=float(load[-i - 1])), min(m, blocks), held[i])
-                  for i, m in enumerate(matched)]
+    candidates = [
+        Candidate(E(f"e{i}", load[i], kv_usage=i / 4, waiting=float(load[-i - 1])), min(m, blocks), held[i])
+        for i, m in enumerate(matched)
+    ]
     for parts in score_parts(candidates, prompt_blocks=blocks, preferred=candidates[0].engine, scale=8):
         assert set(parts) == set(SCORERS)
         assert all(0.0 <= value <= 1.0 for value in parts.values())
@@ -110,11 +115,16 @@ def test_a_new_tenant_sharing_only_the_system_prompt_goes_to_the_emptier_cache()
 
 def test_the_load_bound_is_a_hard_limit_whatever_the_scores():
     hot, cold = E("hot", 8), E("cold", 0)
-    decision = choose_scored([Candidate(hot, 8, 8), Candidate(cold, 0, 0)], weights=only(prefix=100),
-                             prompt_blocks=8, max_imbalance=8)
+    decision = choose_scored(
+        [Candidate(hot, 8, 8), Candidate(cold, 0, 0)], weights=only(prefix=100), prompt_blocks=8, max_imbalance=8
+    )
     assert decision is not None and decision.engine is cold and decision.reason == "load_bound"
-    near = choose_scored([Candidate(E("hot", 7), 8, 8), Candidate(E("cold", 0), 0, 0)], weights=only(prefix=100),
-                         prompt_blocks=8, max_imbalance=8)
+    near = choose_scored(
+        [Candidate(E("hot", 7), 8, 8), Candidate(E("cold", 0), 0, 0)],
+        weights=only(prefix=100),
+        prompt_blocks=8,
+        max_imbalance=8,
+    )
     assert near is not None and near.engine.id == "hot"
 
 
@@ -157,8 +167,9 @@ def test_no_candidate_no_decision_and_a_single_one_is_no_contest():
 
 def test_the_explanation_names_the_replica_matches_and_scores():
     a, b = E("a"), E("b")
-    decision = choose_scored([Candidate(a, 2, 10), Candidate(b, 6, 10)], weights=Weights(), prompt_blocks=8,
-                             source="precise")
+    decision = choose_scored(
+        [Candidate(a, 2, 10), Candidate(b, 6, 10)], weights=Weights(), prompt_blocks=8, source="precise"
+    )
     assert decision is not None
     explained = decision.explain()
     assert explained["engine"] == "b" and explained["reason"] == "prefix" and explained["source"] == "precise"

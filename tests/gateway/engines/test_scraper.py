@@ -56,9 +56,7 @@ def expected_from_text(text: str, name: str) -> float:
 def test_parse_saved_vllm_page():
     snap = parse_engine_metrics(VLLM_TEXT)
     assert snap.kv_usage == expected_from_text(VLLM_TEXT, "vllm:kv_cache_usage_perc")
-    assert snap.prefix_queries_tokens == expected_from_text(
-        VLLM_TEXT, "vllm:prefix_cache_queries_total"
-    )
+    assert snap.prefix_queries_tokens == expected_from_text(VLLM_TEXT, "vllm:prefix_cache_queries_total")
     assert snap.prefix_hits_tokens == expected_from_text(VLLM_TEXT, "vllm:prefix_cache_hits_total")
     assert 0 < snap.prefix_hits_tokens < snap.prefix_queries_tokens
     assert snap.running == expected_from_text(VLLM_TEXT, "vllm:num_requests_running")

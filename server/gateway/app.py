@@ -34,8 +34,9 @@ from server.gateway.engines.scraper import EngineMetricsScraper
 from server.gateway.observability.logs import log_request as default_log_request
 from server.gateway.observability.metrics import GatewayMetrics
 from server.gateway.observability.record import RequestReporter
-from server.gateway.proxy.exchange import Proxy
-from server.gateway.proxy.transport import ClientUpstream, Upstream, UpstreamTransport
+from server.gateway.proxy.proxy import Proxy
+from server.gateway.proxy.transport import UpstreamTransport
+from server.gateway.proxy.upstream import ClientUpstream, Upstream
 from server.gateway.settings import GatewaySettings
 from server.gateway.trimming.step import HistoryTrimming
 from server.gateway.trimming.target import make_lookup

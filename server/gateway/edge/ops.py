@@ -22,7 +22,7 @@ from server.gateway.jsonio import dumps
 
 if TYPE_CHECKING:
     from server.gateway.engines.health import HealthChecker
-    from server.gateway.proxy.exchange import Proxy
+    from server.gateway.proxy.proxy import Proxy
 
 JSON = b"application/json"
 MODELS_PREFIX = "/v1/models/"

@@ -37,7 +37,7 @@ from server.gateway.observability.record import (
     RequestRecord,
     RequestReporter,
 )
-from server.gateway.proxy.exchange import Proxy
+from server.gateway.proxy.proxy import Proxy
 
 log = logging.getLogger("gateway")
 

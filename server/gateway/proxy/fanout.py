@@ -31,7 +31,7 @@ from server.gateway.errors import GatewayError, engine_error_body
 from server.gateway.jsonio import dumps
 
 if TYPE_CHECKING:
-    from server.gateway.proxy.exchange import Proxy
+    from server.gateway.proxy.proxy import Proxy
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ exceptions, and underneath:
   deadlines); a body the caller does not drain makes the connection pause reading.
 
 HTTP/1.1 only, for requests whose answers have a body (POST, and GET of a stored response; no
-HEAD): that is what engines speak.
+HEAD): that is what engines speak. The interface the proxy sees is `proxy.upstream.Upstream`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import httptools
 import httpx
@@ -172,37 +172,6 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None and not self.closed:
             self.transport.close()
         self.closed = True
-
-
-class UpstreamResponse(Protocol):
-    """An engine's answer as the proxy reads it: body chunks as they arrive, or whole."""
-
-    status_code: int
-    headers: list[tuple[bytes, bytes]]
-
-    def __aiter__(self) -> AsyncIterator[bytes]: ...
-
-    async def read_chunk(self) -> bytes: ...  # what arrived since the last call; b"" at the end
-
-    async def aread(self) -> bytes: ...
-
-    async def aclose(self) -> None: ...
-
-
-class Upstream(Protocol):
-    """How the proxy talks to engines: UpstreamTransport, or ClientUpstream around any httpx client."""
-
-    def target(self, url: str, method: str = "POST") -> Any: ...
-
-    async def post(
-        self,
-        target: Any,
-        headers: list[tuple[bytes, bytes]],
-        body: bytes,
-        *,
-        connect_timeout: float | None = None,
-        read_timeout: float | None = None,
-    ) -> UpstreamResponse: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,51 +394,3 @@ async def _serialize(request: httpx.Request) -> tuple[bytes, bytes]:
         lines += [b"Content-Length: ", str(len(body)).encode(), b"\r\n"]
     lines.append(b"\r\n")
     return b"".join(lines), body
-
-
-class _ClientResponse:
-    """An httpx.Response as an `UpstreamResponse`."""
-
-    def __init__(self, response: httpx.Response) -> None:
-        self.response = response
-        self.status_code = response.status_code
-        self.headers = response.headers.raw
-        self._chunks: AsyncIterator[bytes] | None = None
-
-    def __aiter__(self) -> AsyncIterator[bytes]:
-        return self.response.aiter_raw()
-
-    async def read_chunk(self) -> bytes:
-        if self._chunks is None:
-            self._chunks = self.response.aiter_raw()
-        return await anext(self._chunks, b"")
-
-    async def aread(self) -> bytes:
-        return await self.response.aread()
-
-    async def aclose(self) -> None:
-        await self.response.aclose()
-
-
-class ClientUpstream:
-    """Any httpx.AsyncClient (one a caller injects, in tests) with the `post` of UpstreamTransport."""
-
-    def __init__(self, client: httpx.AsyncClient) -> None:
-        self.client = client
-
-    def target(self, url: str, method: str = "POST") -> tuple[str, httpx.URL]:
-        return method, httpx.URL(url)
-
-    async def post(
-        self,
-        target: tuple[str, httpx.URL],
-        headers: list[tuple[bytes, bytes]],
-        body: bytes,
-        *,
-        connect_timeout: float | None = None,
-        read_timeout: float | None = None,
-    ) -> _ClientResponse:
-        timeout = httpx.Timeout(connect=connect_timeout, read=read_timeout, write=connect_timeout, pool=connect_timeout)
-        method, url = target
-        request = self.client.build_request(method, url, content=body, headers=headers, timeout=timeout)
-        return _ClientResponse(await self.client.send(request, stream=True))

@@ -51,14 +51,16 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
         per_turn = []
         for turn in sorted(turns):
             group = turns[turn]
-            per_turn.append({
-                "turn": turn + 1,
-                "requests": len(group),
-                "status": ",".join(sorted({_status(r) for r in group})),
-                "prompt_tokens": statistics.median(r["prompt_tokens"] for r in group),
-                "cached_tokens": statistics.median(r["cached_tokens"] or 0 for r in group),
-                "ttft_ms": statistics.median(1000 * r["ttft_s"] for r in group),
-            })
+            per_turn.append(
+                {
+                    "turn": turn + 1,
+                    "requests": len(group),
+                    "status": ",".join(sorted({_status(r) for r in group})),
+                    "prompt_tokens": statistics.median(r["prompt_tokens"] for r in group),
+                    "cached_tokens": statistics.median(r["cached_tokens"] or 0 for r in group),
+                    "ttft_ms": statistics.median(1000 * r["ttft_s"] for r in group),
+                }
+            )
         trimmed = [r for r in rows if _status(r) == "trimmed"]
         prompt = sum(r["prompt_tokens"] for r in trimmed)
         cached = sum(r["cached_tokens"] or 0 for r in trimmed)
@@ -80,8 +82,10 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def markdown(summary: dict[str, Any]) -> str:
     targets = list(summary)
-    lines = ["| turn | " + " | ".join(f"{t}: status | prompt | cached | TTFT ms" for t in targets) + " |",
-             "|---:|" + "---|---:|---:|---:|" * len(targets)]
+    lines = [
+        "| turn | " + " | ".join(f"{t}: status | prompt | cached | TTFT ms" for t in targets) + " |",
+        "|---:|" + "---|---:|---:|---:|" * len(targets),
+    ]
     rows = max(len(summary[t]["turns"]) for t in targets)
     for i in range(rows):
         cells = []
@@ -89,7 +93,9 @@ def markdown(summary: dict[str, Any]) -> str:
             turns = summary[t]["turns"]
             if i < len(turns):
                 r = turns[i]
-                cells.append(f"{r['status']} | {r['prompt_tokens']:.0f} | {r['cached_tokens']:.0f} | {r['ttft_ms']:.0f}")
+                cells.append(
+                    f"{r['status']} | {r['prompt_tokens']:.0f} | {r['cached_tokens']:.0f} | {r['ttft_ms']:.0f}"
+                )
             else:
                 cells.append("- | - | - | -")
         lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")

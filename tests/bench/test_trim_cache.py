@@ -9,8 +9,17 @@ from bench.trim_cache import load, markdown, summarise
 
 
 def _record(target: str, turn: int, status: str, prompt: int, cached: int, ttft: float, **extra) -> dict:
-    return {"target": target, "turn": turn, "phase": "measure", "error_kind": None, "prompt_tokens": prompt,
-            "cached_tokens": cached, "ttft_s": ttft, "headers": {"x-trim-status": status}, **extra}
+    return {
+        "target": target,
+        "turn": turn,
+        "phase": "measure",
+        "error_kind": None,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "ttft_s": ttft,
+        "headers": {"x-trim-status": status},
+        **extra,
+    }
 
 
 def test_totals_count_only_the_trimmed_turns(tmp_path):
@@ -33,4 +42,6 @@ def test_totals_count_only_the_trimmed_turns(tmp_path):
     assert window["requests"] == 2 and window["trimmed_cached_share"] == 100 / 250
     assert [t["turn"] for t in window["turns"]] == [1, 2]
     table = markdown(summary)
-    assert "**0.905**" in table and "**0.400**" in table and "| 3 | trimmed | 220 | 200 | 300 | - | - | - | - |" in table
+    assert (
+        "**0.905**" in table and "**0.400**" in table and "| 3 | trimmed | 220 | 200 | 300 | - | - | - | - |" in table
+    )

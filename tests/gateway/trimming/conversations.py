@@ -30,24 +30,28 @@ def units(draw: st.DrawFn, next_id: list[int]) -> list[Message]:
     calls = []
     for _ in range(draw(st.integers(min_value=1, max_value=3))):
         next_id[0] += 1
-        calls.append({
-            "id": f"call_{next_id[0]}",
-            "type": "function",
-            "function": {"name": "lookup", "arguments": draw(_text)},
-        })
-    assistant = {"role": "assistant", "content": draw(st.sampled_from([None, "", "thinking"])),
-                 "tool_calls": calls}
+        calls.append(
+            {
+                "id": f"call_{next_id[0]}",
+                "type": "function",
+                "function": {"name": "lookup", "arguments": draw(_text)},
+            }
+        )
+    assistant = {"role": "assistant", "content": draw(st.sampled_from([None, "", "thinking"])), "tool_calls": calls}
     results = [{"role": "tool", "tool_call_id": c["id"], "content": draw(_text)} for c in calls]
     return [assistant, *results]
 
 
 @st.composite
 def conversations(draw: st.DrawFn) -> list[Message]:
-    head = draw(st.lists(
-        st.builds(lambda role, text: {"role": role, "content": text},
-                  st.sampled_from(["system", "developer"]), _text),
-        max_size=2,
-    ))
+    head = draw(
+        st.lists(
+            st.builds(
+                lambda role, text: {"role": role, "content": text}, st.sampled_from(["system", "developer"]), _text
+            ),
+            max_size=2,
+        )
+    )
     next_id = [0]
     body: list[Message] = []
     for unit in draw(st.lists(units(next_id), min_size=0, max_size=12)):

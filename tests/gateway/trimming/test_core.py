@@ -70,8 +70,8 @@ def test_invariants_hold_for_random_conversations(messages, budget, overhead):
     assert kept[:head] == messages[:head]
     assert kept[-1] is messages[-1]
     rest = kept[head:]
-    assert rest == messages[len(messages) - len(rest):]
-    assert kept == messages[:head] + messages[len(messages) - len(rest):]
+    assert rest == messages[len(messages) - len(rest) :]
+    assert kept == messages[:head] + messages[len(messages) - len(rest) :]
     # Tool calls and their results stay together; no orphan tool message starts the history.
     assert _pairs_intact(kept, messages)
     if result.trimmed:
@@ -93,6 +93,7 @@ def test_required_tokens_is_the_smallest_budget_that_fits(messages, overhead):
 
 
 # -- examples ---------------------------------------------------------------------------------
+
 
 def _count_words(message: dict) -> int:
     return len((message.get("content") or "").split()) + 1
@@ -131,10 +132,14 @@ def test_tool_call_and_its_results_go_together():
     messages = [
         {"role": "system", "content": "s"},
         {"role": "user", "content": "weather in Paris and Rome?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "a", "type": "function", "function": {"name": "w", "arguments": "{}"}},
-            {"id": "b", "type": "function", "function": {"name": "w", "arguments": "{}"}},
-        ]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "w", "arguments": "{}"}},
+                {"id": "b", "type": "function", "function": {"name": "w", "arguments": "{}"}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "a", "content": "sunny " * 30},
         {"role": "tool", "tool_call_id": "b", "content": "rain"},
     ]
@@ -183,9 +188,13 @@ def test_a_tool_result_keeps_its_call_even_when_other_messages_sit_between():
     messages = [
         {"role": "system", "content": "s"},
         {"role": "user", "content": "old " * 20},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
-        ]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            ],
+        },
         {"role": "user", "content": "still there?"},
         {"role": "tool", "tool_call_id": "a", "content": "done"},
     ]

@@ -188,12 +188,10 @@ async def test_tool_definitions_are_counted_once_per_distinct_list():
     with_tools = await counter.count("m", template.tokenize, messages, tools=tools)
     assert with_tools.total == plain.total + 15 == await template.tokenize(messages, True, tools=tools)
     before = len(template.calls)
-    again = await counter.count("m", template.tokenize, [*messages, {"role": "assistant", "content": "x"}],
-                                tools=tools)
+    again = await counter.count("m", template.tokenize, [*messages, {"role": "assistant", "content": "x"}], tools=tools)
     assert len(template.calls) == before + 1  # only the new message
     assert again.total == template.exact([*messages, {"role": "assistant", "content": "x"}], True) + 15
-    exact = await counter.count_exact("m", template.tokenize, messages, True, estimate=with_tools.total,
-                                      tools=tools)
+    exact = await counter.count_exact("m", template.tokenize, messages, True, estimate=with_tools.total, tools=tools)
     assert exact == with_tools.total
 
 
@@ -203,7 +201,7 @@ async def test_a_cached_estimate_is_exact_for_seen_messages_and_an_upper_bound_f
     template = Template(bos=bos)
     counter = TokenCounter()
     assert counter.estimate_cached("m", messages) is None  # not calibrated yet
-    seen, new = messages[:len(messages) // 2], messages[len(messages) // 2:]
+    seen, new = messages[: len(messages) // 2], messages[len(messages) // 2 :]
     await counter.count("m", template.tokenize, seen)
     calls = len(template.calls)
     quick = counter.estimate_cached("m", messages)

@@ -40,15 +40,22 @@ def _messages(turns: int) -> list[dict]:
 
 # -- the pure decision --------------------------------------------------------------------------
 
+
 def test_outcomes_are_an_enum_with_the_header_values():
     assert [o.value for o in Outcome] == ["kept", "trimmed", "unavailable", "rejected", "no-budget"]
     assert TrimOutcome(Outcome.NO_BUDGET).response_headers() == [(b"x-trim-status", b"no-budget")]
     assert TrimOutcome(Outcome.UNAVAILABLE).response_headers() == [(b"x-trim-status", b"unavailable")]
     assert TrimOutcome(Outcome.TRIMMED, 3, 40, 90).response_headers() == [
-        (b"x-trim-status", b"trimmed"), (b"x-trimmed-messages", b"3"), (b"x-trimmed-tokens", b"40"),
-        (b"x-prompt-tokens-estimate", b"90")]
+        (b"x-trim-status", b"trimmed"),
+        (b"x-trimmed-messages", b"3"),
+        (b"x-trimmed-tokens", b"40"),
+        (b"x-prompt-tokens-estimate", b"90"),
+    ]
     assert TrimOutcome(Outcome.KEPT).response_headers() == [
-        (b"x-trim-status", b"kept"), (b"x-trimmed-messages", b"0"), (b"x-trimmed-tokens", b"0")]
+        (b"x-trim-status", b"kept"),
+        (b"x-trimmed-messages", b"0"),
+        (b"x-trimmed-tokens", b"0"),
+    ]
 
 
 def test_a_history_that_fits_is_kept_with_its_count():
@@ -105,6 +112,7 @@ def test_budget_and_modes():
 
 
 # -- the step, in process -----------------------------------------------------------------------
+
 
 def _exact(messages: list[dict], add_generation_prompt: bool) -> int:
     return (2 if add_generation_prompt else 0) + sum(3 + len(str(m.get("content") or "").split()) for m in messages)
@@ -204,8 +212,11 @@ async def test_a_failing_lookup_passes_the_request_through_untouched():
 
 async def test_endpoints_that_do_not_trim_history_are_not_looked_at():
     target = Target()
-    request = parse_request(json.dumps({"model": MODEL, "prompt": "hi"}).encode(), BY_NAME["completions"],
-                            headers=[(b"x-trim-mode", b"loose")])
+    request = parse_request(
+        json.dumps({"model": MODEL, "prompt": "hi"}).encode(),
+        BY_NAME["completions"],
+        headers=[(b"x-trim-mode", b"loose")],
+    )
     await _step(target)(request)
     assert target.calls == 0 and request.response_headers == []
 

@@ -45,9 +45,14 @@ class StandinTarget:
     async def tokenize(self, messages: list[dict], add_generation_prompt: bool) -> int:
         self.calls.append(len(messages))
         async with httpx.AsyncClient(base_url=self.url, timeout=5.0, verify=_TLS) as client:
-            response = await client.post("/tokenize", json={
-                "model": MODEL, "messages": messages, "add_generation_prompt": add_generation_prompt,
-            })
+            response = await client.post(
+                "/tokenize",
+                json={
+                    "model": MODEL,
+                    "messages": messages,
+                    "add_generation_prompt": add_generation_prompt,
+                },
+            )
             response.raise_for_status()
             return response.json()["count"]
 
@@ -61,8 +66,13 @@ class Stack:
     step: HistoryTrimming
 
     def chat(self, messages: list[dict], headers: dict | None = None, **extra) -> httpx.Response:
-        return httpx.post(f"{self.url}/v1/chat/completions", headers=headers or {}, timeout=10.0,
-                          json={"model": MODEL, "messages": messages, **extra}, verify=_TLS)
+        return httpx.post(
+            f"{self.url}/v1/chat/completions",
+            headers=headers or {},
+            timeout=10.0,
+            json={"model": MODEL, "messages": messages, **extra},
+            verify=_TLS,
+        )
 
     def received(self) -> list[dict]:
         return self.engine.last_request["body"]["messages"]
@@ -104,7 +114,7 @@ def test_a_long_history_is_trimmed_to_the_budget():
         assert response.status_code == 200, response.text
         kept = s.received()
         assert kept[0] == messages[0] and kept[-1] == messages[-1]
-        assert kept[1:] == messages[len(messages) - len(kept) + 1:]
+        assert kept[1:] == messages[len(messages) - len(kept) + 1 :]
         assert kept[1]["role"] == "user"
         prompt = response.json()["usage"]["prompt_tokens"]
         assert prompt == count_chat_tokens(kept) <= 900
@@ -129,16 +139,19 @@ def test_auto_cuts_down_to_the_low_mark_and_then_the_prompt_only_grows():
             received.append(s.received())
             prompts.append(response.json()["usage"]["prompt_tokens"])
             assert prompts[-1] <= 900
-            messages = [*messages, {"role": "assistant", "content": f"reply{turn} " + "w " * 19},
-                        {"role": "user", "content": f"next{turn} " + "w " * 19}]
-        cuts = [t for t in range(1, 30) if received[t][:len(received[t - 1])] != received[t - 1]]
+            messages = [
+                *messages,
+                {"role": "assistant", "content": f"reply{turn} " + "w " * 19},
+                {"role": "user", "content": f"next{turn} " + "w " * 19},
+            ]
+        cuts = [t for t in range(1, 30) if received[t][: len(received[t - 1])] != received[t - 1]]
         assert cuts and cuts[0] == 18  # 34 + 24 * (2t + 1) + 3 tokens pass 900 at turn 18
         for t in range(1, 30):
             assert received[t][0] == messages[0] and received[t][-1] == messages[2 * t + 1]
             if t in cuts:
                 assert prompts[t] <= 900 * 0.65 and received[t][1]["role"] == "user"
             else:
-                assert received[t] == [*received[t - 1], *messages[2 * t:2 * t + 2]]
+                assert received[t] == [*received[t - 1], *messages[2 * t : 2 * t + 2]]
         assert len(cuts) < 29 - cuts[0]  # the window would have moved on every turn since
 
 
@@ -161,8 +174,7 @@ def test_a_history_far_under_budget_is_sent_before_its_new_message_is_counted():
 def test_a_history_that_fits_passes_byte_for_byte():
     with stack() as s:
         raw = json.dumps({"model": MODEL, "messages": conversation(3), "max_tokens": 5}, indent=2)
-        response = httpx.post(f"{s.url}/v1/chat/completions", content=raw,
-                              headers={"content-type": "application/json"})
+        response = httpx.post(f"{s.url}/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
         assert response.status_code == 200
         assert response.headers["x-trim-status"] == "kept"
         assert response.headers["x-trimmed-messages"] == "0"
@@ -244,8 +256,11 @@ def test_off_passes_everything_and_the_engine_refuses_what_does_not_fit():
 
 def test_refuses_with_both_numbers_when_system_plus_newest_do_not_fit():
     with stack() as s:
-        messages = [{"role": "system", "content": "rule " * 500}, {"role": "user", "content": "old"},
-                    {"role": "user", "content": "new " * 500}]
+        messages = [
+            {"role": "system", "content": "rule " * 500},
+            {"role": "user", "content": "old"},
+            {"role": "user", "content": "new " * 500},
+        ]
         response = s.chat(messages, max_tokens=100)
         _assert_context_error(response, 504 + 504 + 3, 900)
         assert s.engine.stats()["started"] == 0
@@ -257,10 +272,14 @@ def test_tool_calls_and_results_are_kept_together():
             {"role": "system", "content": "sys"},
             {"role": "user", "content": "old " * 60},
             {"role": "user", "content": "weather?"},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "a", "type": "function", "function": {"name": "w", "arguments": "{}"}},
-                {"id": "b", "type": "function", "function": {"name": "w", "arguments": "{}"}},
-            ]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "a", "type": "function", "function": {"name": "w", "arguments": "{}"}},
+                    {"id": "b", "type": "function", "function": {"name": "w", "arguments": "{}"}},
+                ],
+            },
             {"role": "tool", "tool_call_id": "a", "content": "sun " * 40},
             {"role": "tool", "tool_call_id": "b", "content": "rain " * 40},
         ]
@@ -272,8 +291,13 @@ def test_tool_calls_and_results_are_kept_together():
 
 def test_streaming_responses_carry_the_headers_and_stream_as_usual():
     with stack() as s:
-        body = {"model": MODEL, "messages": conversation(61), "max_tokens": 100, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "model": MODEL,
+            "messages": conversation(61),
+            "max_tokens": 100,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         events = []
         with httpx.stream("POST", f"{s.url}/v1/chat/completions", json=body, timeout=10.0) as response:
             assert response.status_code == 200
@@ -313,8 +337,10 @@ def test_a_growing_conversation_costs_one_small_tokenize_call_per_turn():
             assert response.json()["usage"]["prompt_tokens"] <= 900
             statuses.append((response.headers["x-trim-status"], "x-prompt-tokens-estimate" in response.headers))
             _wait_for_background_counts(s.step)
-            messages = [*messages, {"role": "assistant" if turn % 2 == 0 else "user",
-                                    "content": f"reply{turn} " + "w " * 19}]
+            messages = [
+                *messages,
+                {"role": "assistant" if turn % 2 == 0 else "user", "content": f"reply{turn} " + "w " * 19},
+            ]
         calls = s.target.calls
         # Calibration: 4 single-message probes and 3 longer ones (lengths 2, 3, 3).
         assert sorted(calls[:7]) == [1, 1, 1, 1, 2, 3, 3]
@@ -357,10 +383,13 @@ def _request(raw: bytes):
     return parse_request(raw, BY_NAME["chat"])
 
 
-@pytest.mark.parametrize("raw", [
-    b'{"model": "standin", "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}',
-    b'{"model": "other", "messages": [{"role": "user", "content": "x"}]}',
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model": "standin", "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}',
+        b'{"model": "other", "messages": [{"role": "user", "content": "x"}]}',
+    ],
+)
 async def test_what_is_not_a_trimmable_chat_request_passes_untouched(raw):
     """Bodies the router cannot parse never reach the step (test_middleware.py has those)."""
     target = StandinTarget(TrimmingConfig(), max_model_len=10)
@@ -425,16 +454,21 @@ def test_tool_definitions_count_against_the_budget_when_the_tokenizer_takes_them
     tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {}}} for i in range(2)]
     messages = conversation(20)  # 34 + 20 * 24 + 3 = 517 tokens
     with serve_in_thread(engine) as engine_url:
-        for target, room in ((ToolRenderingTarget(TrimmingConfig(mode="window", history_budget_tokens=400)), 300),
-                             (StandinTarget(TrimmingConfig(mode="window", history_budget_tokens=400)), 400)):
+        for target, room in (
+            (ToolRenderingTarget(TrimmingConfig(mode="window", history_budget_tokens=400)), 300),
+            (StandinTarget(TrimmingConfig(mode="window", history_budget_tokens=400)), 400),
+        ):
             target.url = engine_url
 
             async def lookup(model, target=target):
                 return target
 
             with serve_in_thread(StepRouter(HistoryTrimming(lookup=lookup), recorder)) as url:
-                response = httpx.post(f"{url}/v1/chat/completions", verify=_TLS,
-                                      json={"model": MODEL, "messages": messages, "tools": tools})
+                response = httpx.post(
+                    f"{url}/v1/chat/completions",
+                    verify=_TLS,
+                    json={"model": MODEL, "messages": messages, "tools": tools},
+                )
             assert response.headers["x-trim-status"] == "trimmed"
             kept = json.loads(recorder.bodies[-1])["messages"]
             assert room - 2 * 24 < count_chat_tokens(kept) <= room

@@ -20,15 +20,18 @@ def _gateway(engines, gateway, trimming: TrimmingConfig, **engine_config):
     return engine, gateway(settings)
 
 
-@pytest.mark.parametrize(("raw", "status"), [
-    (b"{not json", 400),
-    (b"[1, 2]", 400),
-    (b'{"model": "standin"}', 400),
-    (b'{"model": "standin", "messages": "hi"}', 400),
-    (b'{"model": "standin", "messages": [{"content": "no role"}]}', 400),
-    (b'{"model": "standin", "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}', None),
-    (b'{"model": "other", "messages": [{"role": "user", "content": "x"}]}', 404),
-])
+@pytest.mark.parametrize(
+    ("raw", "status"),
+    [
+        (b"{not json", 400),
+        (b"[1, 2]", 400),
+        (b'{"model": "standin"}', 400),
+        (b'{"model": "standin", "messages": "hi"}', 400),
+        (b'{"model": "standin", "messages": [{"content": "no role"}]}', 400),
+        (b'{"model": "standin", "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}', None),
+        (b'{"model": "other", "messages": [{"role": "user", "content": "x"}]}', 404),
+    ],
+)
 def test_what_is_not_a_trimmable_chat_request_is_not_counted(engines, gateway, raw, status):
     engine, gw = _gateway(engines, gateway, TrimmingConfig(), max_model_len=10)
     response = httpx.post(f"{gw.url}/v1/chat/completions", content=raw, timeout=10)
@@ -42,8 +45,9 @@ def test_what_is_not_a_trimmable_chat_request_is_not_counted(engines, gateway, r
 
 def test_a_rewritten_body_reaches_the_engine_whole(engines, gateway):
     engine, gw = _gateway(engines, gateway, TrimmingConfig(history_budget_tokens=100))
-    response = httpx.post(f"{gw.url}/v1/chat/completions", timeout=10,
-                          json={"model": "standin", "messages": conversation(20)})
+    response = httpx.post(
+        f"{gw.url}/v1/chat/completions", timeout=10, json={"model": "standin", "messages": conversation(20)}
+    )
     assert response.status_code == 200, response.text
     assert response.headers["x-trim-status"] == "trimmed"
     assert count_chat_tokens(engine.stats()["last_request"]["body"]["messages"]) <= 100
@@ -51,8 +55,11 @@ def test_a_rewritten_body_reaches_the_engine_whole(engines, gateway):
 
 def test_a_refusal_and_the_other_endpoints(engines, gateway):
     engine, gw = _gateway(engines, gateway, TrimmingConfig(mode="strict"), max_model_len=1000)
-    response = httpx.post(f"{gw.url}/v1/chat/completions", timeout=10,
-                          json={"model": "standin", "messages": conversation(61), "max_tokens": 100})
+    response = httpx.post(
+        f"{gw.url}/v1/chat/completions",
+        timeout=10,
+        json={"model": "standin", "messages": conversation(61), "max_tokens": 100},
+    )
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "context_length_exceeded"
     assert response.headers["x-trim-status"] == "rejected"

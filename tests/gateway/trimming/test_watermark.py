@@ -57,8 +57,12 @@ def _reference_cut(messages: list[dict], high: int, low: int, overhead: int) -> 
 
 
 @settings(max_examples=400, deadline=None)
-@given(conversations(), st.integers(min_value=0, max_value=600), st.floats(min_value=0.05, max_value=1.0),
-       st.integers(min_value=0, max_value=12))
+@given(
+    conversations(),
+    st.integers(min_value=0, max_value=600),
+    st.floats(min_value=0.05, max_value=1.0),
+    st.integers(min_value=0, max_value=12),
+)
 def test_invariants_hold_for_random_conversations(messages, high, fraction, overhead):
     low = low_mark_tokens(high, fraction)
     result = watermark_trim(messages, high, low, weight, overhead=overhead)
@@ -79,7 +83,7 @@ def test_invariants_hold_for_random_conversations(messages, high, fraction, over
     assert kept[:head] == messages[:head]
     assert kept[-1] is messages[-1]
     rest = kept[head:]
-    assert rest == messages[len(messages) - len(rest):]
+    assert rest == messages[len(messages) - len(rest) :]
     assert _pairs_intact(kept, messages)
     if result.trimmed:
         assert rest[0]["role"] != "tool"
@@ -92,8 +96,13 @@ def test_invariants_hold_for_random_conversations(messages, high, fraction, over
 
 
 @settings(max_examples=400, deadline=None)
-@given(conversations(), st.data(), st.integers(min_value=20, max_value=600),
-       st.floats(min_value=0.05, max_value=1.0), st.integers(min_value=0, max_value=12))
+@given(
+    conversations(),
+    st.data(),
+    st.integers(min_value=20, max_value=600),
+    st.floats(min_value=0.05, max_value=1.0),
+    st.integers(min_value=0, max_value=12),
+)
 def test_appending_a_message_under_the_high_mark_never_moves_the_cut(longer, data, high, fraction, overhead):
     # `before` is a request (it does not end on an assistant message); `new` is the next message.
     splits = [i for i in range(1, len(longer)) if longer[i - 1]["role"] != "assistant"]
@@ -121,7 +130,7 @@ def test_a_cut_goes_down_to_the_low_mark_then_the_conversation_only_grows():
         prompts.append(result.messages)
         windows.append(trim_messages(history, 200, weight).messages)
         history.append({"role": "assistant", "content": f"a{turn:02d}" + "w" * 14})
-    cuts = [t for t in range(1, 30) if prompts[t][:len(prompts[t - 1])] != prompts[t - 1]]
+    cuts = [t for t in range(1, 30) if prompts[t][: len(prompts[t - 1])] != prompts[t - 1]]
     # Between cuts each prompt is the previous one plus the answer and the new question.
     for t in range(1, 30):
         if t not in cuts:
@@ -131,7 +140,7 @@ def test_a_cut_goes_down_to_the_low_mark_then_the_conversation_only_grows():
         assert sum(map(weight, prompts[t])) <= 100 and prompts[t][1]["role"] == "user"
     assert 0 < len(cuts) <= 30 // 2
     # The window, by contrast, moves its cut on every turn once over budget.
-    moved = [t for t in range(1, 30) if windows[t][:len(windows[t - 1])] != windows[t - 1]]
+    moved = [t for t in range(1, 30) if windows[t][: len(windows[t - 1])] != windows[t - 1]]
     assert moved == list(range(moved[0], 30)) and len(moved) > 2 * len(cuts)
 
 
@@ -145,7 +154,7 @@ def test_a_low_mark_below_the_instructions_keeps_the_newest_turn_only():
     assert result.kept_tokens <= 180
 
 
-_FRESH = textwrap.dedent('''
+_FRESH = textwrap.dedent("""
     import asyncio, json, sys
     from server.engine.profiles import TrimmingConfig
     from server.gateway.edge.endpoints import BY_NAME
@@ -165,7 +174,7 @@ _FRESH = textwrap.dedent('''
         json.dump(out, sys.stdout)
 
     asyncio.run(main())
-''')
+""")
 
 
 class Target:
@@ -205,6 +214,12 @@ async def test_the_same_conversation_gives_the_same_prompt_from_a_fresh_process(
             await warm(request)
             bodies.append(raw)
             sent.append(request.raw.decode())
-    fresh = subprocess.run([sys.executable, "-c", _FRESH], input=json.dumps(bodies), capture_output=True,
-                           text=True, check=True, timeout=120)
+    fresh = subprocess.run(
+        [sys.executable, "-c", _FRESH],
+        input=json.dumps(bodies),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     assert json.loads(fresh.stdout) == sent

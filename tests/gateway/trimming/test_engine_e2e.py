@@ -16,16 +16,18 @@ import openai
 import pytest
 
 from server.deploy.plan import plan_deployment
+from server.engine.profiles import TrimmingConfig
 from server.gateway.app import create_app
 from server.gateway.settings import GatewaySettings, ModelEngines
-from server.engine.profiles import TrimmingConfig
 from tests.support import serve_in_thread
 
 pytestmark = pytest.mark.engine
 
 ANSWER_TOKENS = 8
-WORDS = ("the quick brown fox jumps over a lazy dog while travellers plan an itinerary across "
-         "Europe by train with hotels museums markets and food").split()
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while travellers plan an itinerary across "
+    "Europe by train with hotels museums markets and food"
+).split()
 
 
 def _text(rng: random.Random, chars: int) -> str:
@@ -36,9 +38,15 @@ def _text(rng: random.Random, chars: int) -> str:
 
 
 def _tokenize(engine_url: str, model: str, messages: list[dict]) -> int:
-    response = httpx.post(f"{engine_url}/tokenize", timeout=10.0, json={
-        "model": model, "messages": messages, "add_generation_prompt": True,
-    })
+    response = httpx.post(
+        f"{engine_url}/tokenize",
+        timeout=10.0,
+        json={
+            "model": model,
+            "messages": messages,
+            "add_generation_prompt": True,
+        },
+    )
     response.raise_for_status()
     return response.json()["count"]
 
@@ -50,12 +58,20 @@ def test_a_growing_conversation_gets_200_through_the_gateway_where_the_engine_sa
     messages = [{"role": "system", "content": system}, {"role": "system", "content": context}]
     budget = real_engine.max_model_len - ANSWER_TOKENS
 
-    settings = GatewaySettings(models=[ModelEngines(
-        name=real_engine.model, urls=[real_engine.url], trimming=TrimmingConfig(mode="auto"),
-    )])
+    settings = GatewaySettings(
+        models=[
+            ModelEngines(
+                name=real_engine.model,
+                urls=[real_engine.url],
+                trimming=TrimmingConfig(mode="auto"),
+            )
+        ]
+    )
     over_limit_turns = 0
     with (
-        serve_in_thread(create_app(settings, plan_deployment(settings.models).served_models(), log_request=None)) as url,
+        serve_in_thread(
+            create_app(settings, plan_deployment(settings.models).served_models(), log_request=None)
+        ) as url,
         openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as gateway,
         openai.OpenAI(base_url=f"{real_engine.url}/v1", api_key="unused", max_retries=0, timeout=60) as direct,
     ):
@@ -64,8 +80,11 @@ def test_a_growing_conversation_gets_200_through_the_gateway_where_the_engine_sa
             full = _tokenize(real_engine.url, real_engine.model, messages)
 
             raw = gateway.chat.completions.with_raw_response.create(
-                model=real_engine.model, messages=messages, max_tokens=ANSWER_TOKENS,
-                temperature=0, extra_body={"return_prompt_text": True},
+                model=real_engine.model,
+                messages=messages,
+                max_tokens=ANSWER_TOKENS,
+                temperature=0,
+                extra_body={"return_prompt_text": True},
             )
             assert raw.status_code == 200
             completion = raw.parse()
@@ -79,10 +98,11 @@ def test_a_growing_conversation_gets_200_through_the_gateway_where_the_engine_sa
             estimate = raw.headers.get("x-prompt-tokens-estimate")
             assert estimate is None or int(estimate) == prompt_tokens
             # What the engine received: both instructions, then the newest turns, in order.
-            assert prompt_text.startswith(f"<|im_start|>system\n{system}<|im_end|>\n"
-                                          f"<|im_start|>system\n{context}<|im_end|>\n")
+            assert prompt_text.startswith(
+                f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>system\n{context}<|im_end|>\n"
+            )
             assert prompt_text.endswith(f"{messages[-1]['content']}<|im_end|>\n<|im_start|>assistant\n")
-            kept = messages[:2] + messages[2 + dropped:]
+            kept = messages[:2] + messages[2 + dropped :]
             assert _tokenize(real_engine.url, real_engine.model, kept) == prompt_tokens
 
             if full <= budget:
@@ -97,7 +117,9 @@ def test_a_growing_conversation_gets_200_through_the_gateway_where_the_engine_sa
                 over_limit_turns += 1
                 with pytest.raises(openai.BadRequestError):
                     direct.chat.completions.create(
-                        model=real_engine.model, messages=messages, max_tokens=ANSWER_TOKENS,
+                        model=real_engine.model,
+                        messages=messages,
+                        max_tokens=ANSWER_TOKENS,
                     )
                 if over_limit_turns == 4:
                     break
@@ -113,15 +135,26 @@ def test_streaming_is_trimmed_and_a_strict_request_is_refused_with_both_numbers(
     full = _tokenize(real_engine.url, real_engine.model, messages)
     assert full > real_engine.max_model_len
     budget = real_engine.max_model_len - ANSWER_TOKENS
-    settings = GatewaySettings(models=[ModelEngines(
-        name=real_engine.model, urls=[real_engine.url], trimming=TrimmingConfig(mode="auto"),
-    )])
+    settings = GatewaySettings(
+        models=[
+            ModelEngines(
+                name=real_engine.model,
+                urls=[real_engine.url],
+                trimming=TrimmingConfig(mode="auto"),
+            )
+        ]
+    )
     with (
-        serve_in_thread(create_app(settings, plan_deployment(settings.models).served_models(), log_request=None)) as url,
+        serve_in_thread(
+            create_app(settings, plan_deployment(settings.models).served_models(), log_request=None)
+        ) as url,
         openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as gateway,
     ):
         with gateway.chat.completions.with_streaming_response.create(
-            model=real_engine.model, messages=messages, max_tokens=ANSWER_TOKENS, stream=True,
+            model=real_engine.model,
+            messages=messages,
+            max_tokens=ANSWER_TOKENS,
+            stream=True,
             stream_options={"include_usage": True},
         ) as response:
             assert response.headers["x-trim-status"] == "trimmed"
@@ -132,7 +165,9 @@ def test_streaming_is_trimmed_and_a_strict_request_is_refused_with_both_numbers(
 
         with pytest.raises(openai.BadRequestError) as refused:
             gateway.chat.completions.create(
-                model=real_engine.model, messages=messages, max_tokens=ANSWER_TOKENS,
+                model=real_engine.model,
+                messages=messages,
+                max_tokens=ANSWER_TOKENS,
                 extra_headers={"x-trim-mode": "strict"},
             )
         assert refused.value.code == "context_length_exceeded"
@@ -147,11 +182,16 @@ async def test_counts_from_the_real_template_add_up_and_bounds_hold(real_engine)
     from server.gateway.trimming.counter import TokenCounter
 
     async with httpx.AsyncClient(base_url=real_engine.url, timeout=10.0) as client:
+
         async def tokenize(messages, add_generation_prompt):
-            response = await client.post("/tokenize", json={
-                "model": real_engine.model, "messages": messages,
-                "add_generation_prompt": add_generation_prompt,
-            })
+            response = await client.post(
+                "/tokenize",
+                json={
+                    "model": real_engine.model,
+                    "messages": messages,
+                    "add_generation_prompt": add_generation_prompt,
+                },
+            )
             response.raise_for_status()
             return response.json()["count"]
 
@@ -160,10 +200,19 @@ async def test_counts_from_the_real_template_add_up_and_bounds_hold(real_engine)
         conversation = [{"role": "system", "content": _text(rng, 200)}]
         for i in range(12):
             conversation.append({"role": "user", "content": rng.choice(odd) + _text(rng, 80)})
-            conversation.append({"role": "assistant", "content": None, "tool_calls": [
-                {"id": f"c{i}", "type": "function",
-                 "function": {"name": "lookup", "arguments": '{"q": "%s"}' % rng.choice(odd).strip()}},
-            ]})
+            conversation.append(
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": f"c{i}",
+                            "type": "function",
+                            "function": {"name": "lookup", "arguments": f'{{"q": "{rng.choice(odd).strip()}"}}'},
+                        },
+                    ],
+                }
+            )
             conversation.append({"role": "tool", "tool_call_id": f"c{i}", "content": rng.choice(odd)})
         counter = TokenCounter()
         await counter.count(real_engine.model, tokenize, conversation[:1])
@@ -174,7 +223,6 @@ async def test_counts_from_the_real_template_add_up_and_bounds_hold(real_engine)
         for bound, count in zip(bounds.per_message[1:], exact.per_message[1:], strict=True):
             assert count <= bound
 
-        with_developer = [*conversation[:1], {"role": "developer", "content": "Answer in French."},
-                          *conversation[1:]]
+        with_developer = [*conversation[:1], {"role": "developer", "content": "Answer in French."}, *conversation[1:]]
         estimate = (await counter.count(real_engine.model, tokenize, with_developer)).total
         assert estimate >= await tokenize(with_developer, True)

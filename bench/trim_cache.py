@@ -4,11 +4,12 @@ Reads the `requests.jsonl` (or `.jsonl.gz`) that `python -m loadtest` wrote for 
 two targets (e.g. the same gateway with `x-trim-mode: auto` and `x-trim-mode: window`, with
 `--record-header x-trim-status`), and prints, per target and turn, the prompt tokens, the
 prompt tokens the engine took from its prefix cache (`usage.prompt_tokens_details.cached_tokens`)
-and the TTFT; then, per target, over the trimmed turns (x-trim-status `trimmed`, i.e. every turn
+and the TTFT (one row per session and turn; with `--median`, medians over sessions); then, per
+target, over the trimmed turns (x-trim-status `trimmed`, i.e. every turn
 from the first cut on): the cached share of prompt tokens, the median TTFT, and the tokens
 prefilled (prompt - cached) over the whole run.
 
-Usage: python -m bench.trim_cache loadtest/results/watermark-trimming [--json]
+Usage: python -m bench.trim_cache loadtest/results/watermark-trimming/itinerary [--median] [--json]
 """
 
 from __future__ import annotations
@@ -37,22 +38,24 @@ def _status(record: dict[str, Any]) -> str:
     return str(headers.get("x-trim-status", "-"))
 
 
-def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per target: per-turn rows (medians over sessions) and the trimmed-turn totals."""
+def summarise(records: list[dict[str, Any]], *, by_session: bool = True) -> dict[str, Any]:
+    """Per target: per-turn rows (per session, or medians over sessions) and the trimmed-turn totals."""
     by_target: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for record in records:
         if record.get("phase") == "measure" and record.get("error_kind") is None:
             by_target[record["target"]].append(record)
+    sessions = sorted({str(r.get("session_id")) for rows in by_target.values() for r in rows})
     out: dict[str, Any] = {}
     for target, rows in by_target.items():
-        turns: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        turns: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
         for row in rows:
-            turns[row["turn"]].append(row)
+            turns[(str(row.get("session_id")) if by_session else "", row["turn"])].append(row)
         per_turn = []
-        for turn in sorted(turns):
-            group = turns[turn]
+        for session, turn in sorted(turns):
+            group = turns[(session, turn)]
             per_turn.append(
                 {
+                    "session": sessions.index(session) + 1 if by_session else None,
                     "turn": turn + 1,
                     "requests": len(group),
                     "status": ",".join(sorted({_status(r) for r in group})),
@@ -82,23 +85,23 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def markdown(summary: dict[str, Any]) -> str:
     targets = list(summary)
+    keys = sorted({(r["session"] or 0, r["turn"]) for t in targets for r in summary[t]["turns"]})
+    by_key = {t: {(r["session"] or 0, r["turn"]): r for r in summary[t]["turns"]} for t in targets}
     lines = [
-        "| turn | " + " | ".join(f"{t}: status | prompt | cached | TTFT ms" for t in targets) + " |",
-        "|---:|" + "---|---:|---:|---:|" * len(targets),
+        "| session | turn | " + " | ".join(f"{t}: status | prompt | cached | TTFT ms" for t in targets) + " |",
+        "|---:|---:|" + "---|---:|---:|---:|" * len(targets),
     ]
-    rows = max(len(summary[t]["turns"]) for t in targets)
-    for i in range(rows):
+    for key in keys:
         cells = []
         for t in targets:
-            turns = summary[t]["turns"]
-            if i < len(turns):
-                r = turns[i]
+            r = by_key[t].get(key)
+            if r is None:
+                cells.append("- | - | - | -")
+            else:
                 cells.append(
                     f"{r['status']} | {r['prompt_tokens']:.0f} | {r['cached_tokens']:.0f} | {r['ttft_ms']:.0f}"
                 )
-            else:
-                cells.append("- | - | - | -")
-        lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+        lines.append(f"| {key[0] or 'all'} | {key[1]} | " + " | ".join(cells) + " |")
     lines += ["", "| over the trimmed turns | " + " | ".join(targets) + " |", "|---|" + "---:|" * len(targets)]
     for key, name, fmt in (
         ("first_trimmed_turn", "first trimmed turn", "{}"),
@@ -118,9 +121,10 @@ def markdown(summary: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory", type=Path, help="a `python -m loadtest --output` directory")
+    parser.add_argument("--median", action="store_true", help="per turn, the median over sessions")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = parser.parse_args(argv)
-    summary = summarise(load(args.directory))
+    summary = summarise(load(args.directory), by_session=not args.median)
     sys.stdout.write(json.dumps(summary, indent=2) + "\n" if args.json else markdown(summary))
     return 0
 

@@ -226,3 +226,54 @@ async def test_counts_from_the_real_template_add_up_and_bounds_hold(real_engine)
         with_developer = [*conversation[:1], {"role": "developer", "content": "Answer in French."}, *conversation[1:]]
         estimate = (await counter.count(real_engine.model, tokenize, with_developer)).total
         assert estimate >= await tokenize(with_developer, True)
+
+
+def test_watermarks_keep_the_prefix_cache_hitting_where_the_moving_window_misses(real_engine):
+    """The seed's conversation, once per mode (different texts, so neither reuses the other's
+    cache): over the turns after trimming starts, the engine finds at least 80% of each
+    watermark prompt in its prefix cache (`usage.prompt_tokens_details.cached_tokens`), and
+    more than it finds of the moving window's prompts, which change right after the instructions
+    on every turn."""
+    settings = GatewaySettings(
+        models=[
+            ModelEngines(
+                name=real_engine.model,
+                urls=[real_engine.url],
+                trimming=TrimmingConfig(mode="auto"),
+            )
+        ]
+    )
+    share: dict[str, float] = {}
+    with (
+        serve_in_thread(
+            create_app(settings, plan_deployment(settings.models).served_models(), log_request=None)
+        ) as url,
+        openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as gateway,
+    ):
+        for mode, seed in (("window", 21), ("auto", 22)):
+            rng = random.Random(seed)
+            messages = [
+                {"role": "system", "content": _text(rng, 500)},
+                {"role": "system", "content": "Retrieved documents:\n" + _text(rng, 2000)},
+            ]
+            prompt = cached = trimmed = 0
+            for turn in range(24):
+                messages.append({"role": "user", "content": f"Question {turn}: " + _text(rng, 80)})
+                raw = gateway.chat.completions.with_raw_response.create(
+                    model=real_engine.model,
+                    messages=messages,
+                    max_tokens=ANSWER_TOKENS,
+                    temperature=0,
+                    extra_headers={"x-trim-mode": mode},
+                )
+                usage = raw.parse().usage
+                assert usage.prompt_tokens_details is not None  # the profile's --enable-prompt-tokens-details
+                if raw.headers["x-trim-status"] == "trimmed":
+                    trimmed += 1
+                    prompt += usage.prompt_tokens
+                    cached += usage.prompt_tokens_details.cached_tokens or 0
+                messages.append({"role": "assistant", "content": _text(rng, 250)})
+            assert trimmed >= 16
+            share[mode] = cached / prompt
+    assert share["auto"] >= 0.8
+    assert share["window"] < share["auto"]

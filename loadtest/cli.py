@@ -14,11 +14,12 @@ import httpx
 from loadtest import aio, scenarios
 from loadtest.arguments import build_parser
 from loadtest.client import ChatClient, make_transport, normalize_base_url
+from loadtest.console import console_table
 from loadtest.engine_probe import EngineProbe
 from loadtest.loop_lag import Limits
 from loadtest.overhead import fetch_engine_timings, overhead_summary
 from loadtest.progress import Progress
-from loadtest.report import Comparison, RunOutcome, console_table, write_outputs
+from loadtest.report import Comparison, RunOutcome, write_outputs
 from loadtest.runner import LoadShape, Runner, StopRule, Target
 from loadtest.slo import SLOError, parse_slos, verdict
 

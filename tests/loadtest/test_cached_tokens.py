@@ -7,10 +7,11 @@ import pytest
 
 from loadtest import scenarios
 from loadtest.client import ChatClient, make_transport
+from loadtest.console import console_table
 from loadtest.engine_probe import EngineProbe
 from loadtest.metrics import cached_share, per_turn, summarize
 from loadtest.records import RequestRecord
-from loadtest.report import RunOutcome, console_table, markdown
+from loadtest.report import RunOutcome, markdown
 from loadtest.runner import LoadShape, Runner, StopRule
 from tests.standin import StandinConfig, build_app
 from tests.support import serve_in_thread

@@ -7,8 +7,9 @@ import pytest
 
 from loadtest import scenarios
 from loadtest.client import ChatClient, make_transport
+from loadtest.console import console_table
 from loadtest.loop_lag import Limits, LoopLagMonitor, lag_summary, saturation
-from loadtest.report import RunOutcome, console_table, markdown
+from loadtest.report import RunOutcome, markdown
 from loadtest.runner import LoadShape, Runner, StopRule
 
 

@@ -45,6 +45,11 @@ def test_tiny_cpu_argv_is_exact():
         "--tensor-parallel-size",
         "1",
         "--enforce-eager",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--tool-strict-level",
+        "parameter",
     ]
 
 

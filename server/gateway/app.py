@@ -130,9 +130,7 @@ def create_app(
         leave=engine_left,
         planned_kv_tokens=lambda m: planned_kv_tokens(m.profile) if m.profile else None,
     )
-    metrics.registry.register(
-        KvEventsCollector(cache.precise, {e.id: e.model for e in upstreams.engines() if e.id in kv_events.endpoints})
-    )
+    metrics.registry.register(KvEventsCollector(cache.precise, {e.id: e.model for e in upstreams.engines()}))
     timeout = httpx.Timeout(settings.timeouts.first_byte, connect=settings.timeouts.connect)
     trimming = HistoryTrimming(lookup=make_lookup(upstreams, client, settings.routing, timeout), metrics=metrics)
 

@@ -237,8 +237,15 @@ class KvEventSubscriber:
         apply(self.index, engine, events)
 
 
+PURGE_REASONS = ("connect", "disconnect", "gap", "restart", "cleared")
+
+
 class KvEventsCollector:
-    """`gateway_engine_kv_events_*`: per engine, whether its events are live, blocks indexed, purges."""
+    """`gateway_engine_kv_events_*`: per engine, whether its events are live, blocks indexed, purges.
+
+    Every engine is reported, those that publish no events too (up 0: routing uses the approximate
+    index for them), and every purge reason from 0, so rates and alerts have a series to read.
+    """
 
     def __init__(self, index: PreciseIndex, models: Mapping[str, str]) -> None:
         self.index = index
@@ -267,6 +274,7 @@ class KvEventsCollector:
             state = self.index.engines.get(engine)
             live.add_metric([model, engine], 1.0 if state is not None and state.live else 0.0)
             blocks.add_metric([model, engine], float(len(state.held)) if state is not None else 0.0)
-            for reason, count in state.purges.items() if state is not None else ():
-                purges.add_metric([model, engine, reason], float(count))
+            counts = state.purges if state is not None else {}
+            for reason in (*PURGE_REASONS, *(r for r in counts if r not in PURGE_REASONS)):
+                purges.add_metric([model, engine, reason], float(counts.get(reason, 0)))
         yield from (live, blocks, purges)

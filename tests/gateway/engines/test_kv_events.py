@@ -17,6 +17,7 @@ from server.gateway.engines.blocks import token_blocks
 from server.gateway.engines.cache import CacheState
 from server.gateway.engines.engine import Engine
 from server.gateway.engines.kv_events import (
+    PURGE_REASONS,
     Cleared,
     EventError,
     KvEventsCollector,
@@ -187,7 +188,11 @@ def test_the_collector_shows_live_blocks_and_purges():
         for s in families["gateway_engine_kv_events_purges"].samples
         if s.name.endswith("_total")
     ]
-    assert purges == [("b:1", "disconnect", 1.0)]
+    assert [p for p in purges if p[2]] == [("b:1", "disconnect", 1.0)]
+    # Every engine has every reason's series from 0, so a rate over it has data before the first purge.
+    assert {(engine, reason) for engine, reason, _ in purges} == {
+        (engine, reason) for engine in ("a:1", "b:1") for reason in PURGE_REASONS
+    }
 
 
 # -- the fallback --------------------------------------------------------------------------------

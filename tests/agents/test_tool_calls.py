@@ -185,7 +185,28 @@ def test_streamed_tool_calls_pass_the_gateway_untouched(agent_gateway, real_engi
     assert through.text.rstrip().endswith("data: [DONE]")
     events = sse_payloads(through.text)
     assert any(c.get("delta", {}).get("tool_calls") for e in events for c in e["choices"])
-    assert events == sse_payloads(direct.text)
+    # vLLM may put several tokens in one chunk when its reader falls behind (a busy machine), so
+    # the chunk boundaries of two runs differ; what the client assembles from them may not.
+    assert assembled(events) == assembled(sse_payloads(direct.text))
+
+
+def assembled(events: list[dict]) -> dict:
+    """What a client builds from a chat stream: per choice the role, text, tool calls and finish reason."""
+    choices: dict[int, dict] = {}
+    for event in events:
+        for choice in event.get("choices", []):
+            into = choices.setdefault(choice["index"], {"content": "", "tool_calls": {}, "finish_reason": None})
+            delta = choice.get("delta", {})
+            into["role"] = delta.get("role", into.get("role"))
+            into["content"] += delta.get("content") or ""
+            for call in delta.get("tool_calls") or []:
+                slot = into["tool_calls"].setdefault(call["index"], {"type": None, "name": "", "arguments": ""})
+                slot["type"] = call.get("type", slot["type"])
+                function = call.get("function") or {}
+                slot["name"] += function.get("name") or ""
+                slot["arguments"] += function.get("arguments") or ""
+            into["finish_reason"] = choice.get("finish_reason") or into["finish_reason"]
+    return choices
 
 
 def test_time_to_first_token_counts_a_tool_call_answer(client, agent_gateway):

@@ -49,6 +49,9 @@ def refuses_connections(url: str) -> bool:
         httpx.get(f"{url}/health", timeout=2)
     except httpx.ConnectError:
         return True
+    except (httpx.ReadError, httpx.RemoteProtocolError):
+        # Connected into the listen backlog just before uvicorn closed the socket: reset, never served.
+        return True
     return False
 
 

@@ -26,10 +26,15 @@ examples:
   python -m server engine configs/profiles/tiny-cpu.yaml --port 8100
   python -m server up                                  # engines + gateway on :8000
   python -m server serve --upstream tiny=http://127.0.0.1:8100
+  python -m server serve --config configs/gateway.gpu.yaml --workers auto   # one process per core
   python -m server helm-values --config configs/gateway.gpu.yaml   # values for charts/llm-serving
 """
 
 Run = Callable[[argparse.Namespace], int]
+WORKERS_HELP = (
+    "gateway processes sharing the port, or 'auto' (one per core); default: $GATEWAY_WORKERS, "
+    "else the config's `workers`, else 1"
+)
 
 
 def engine_args(
@@ -69,16 +74,16 @@ def engine(profile: str, *, host: str, port: int, max_restarts: int, ready_timeo
     return run_command(profile, host=host, port=port, max_restarts=max_restarts, ready_timeout=ready_timeout)
 
 
-def up(config: Path, *, host: str | None, port: int | None) -> int:
+def up(config: Path, *, host: str | None, port: int | None, workers: str | None) -> int:
     from server.deploy import local
 
-    return local.up(config, host=host, port=port)
+    return local.up(config, host=host, port=port, workers=workers)
 
 
-def serve(config: Path | None, *, upstreams: list[str], host: str | None, port: int | None) -> int:
+def serve(config: Path | None, *, upstreams: list[str], host: str | None, port: int | None, workers: str | None) -> int:
     from server.deploy import local
 
-    return local.serve(config, upstreams, host=host, port=port)
+    return local.serve(config, upstreams, host=host, port=port, workers=workers)
 
 
 def compose(config: Path, *, output: Path | None, check: bool) -> int:
@@ -175,16 +180,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command(
         "up",
-        lambda a: up(Path(a.config), host=a.host, port=a.port),
+        lambda a: up(Path(a.config), host=a.host, port=a.port, workers=a.workers),
         "Launch the engines of a gateway config and serve the gateway in front of them.",
     )
     p.add_argument("--config", default="configs/gateway.yaml")
     p.add_argument("--host", default=None, help="override the config's host")
     p.add_argument("--port", type=int, default=None, help="override the config's port (8000)")
+    p.add_argument("--workers", default=None, metavar="N", help=WORKERS_HELP)
 
     p = command(
         "serve",
-        lambda a: serve(Path(a.config) if a.config else None, upstreams=a.upstream, host=a.host, port=a.port),
+        lambda a: serve(
+            Path(a.config) if a.config else None, upstreams=a.upstream, host=a.host, port=a.port, workers=a.workers
+        ),
         "Serve the gateway only, in front of engines that already run.",
     )
     p.add_argument("--config", default=None, help="gateway config file (optional)")
@@ -197,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
+    p.add_argument("--workers", default=None, metavar="N", help=WORKERS_HELP)
 
     p = command(
         "compose",

@@ -7,12 +7,16 @@ profile's replicas on base_port, base_port+1, ...) and hand the gateway the plan
 if a profile asks for it, starts one supervised engine per planned engine, waits until all are
 ready (SIGINT or SIGTERM meanwhile stops them: exit 130), serves the gateway, and stops the
 engines once the gateway has drained (server.gateway.server).
+
+Both serve with the config's `workers` gateway processes (1 by default), overridden by the
+GATEWAY_WORKERS environment variable, itself overridden by `--workers`; "auto" is one per core.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -22,30 +26,39 @@ from pathlib import Path
 from server.config import SettingsError, parse_upstreams
 from server.deploy.plan import DeploymentPlan, plan_deployment
 from server.engine.supervisor import EngineStartError, EngineSupervisor, prepare
-from server.gateway.server import configure_logging, run, serve_gateway
-from server.gateway.settings import GatewaySettings, load_settings
+from server.gateway.server import configure_logging, run
+from server.gateway.server import serve as serve_gateway
+from server.gateway.settings import GatewaySettings, load_settings, worker_count
+
+WORKERS_ENV = "GATEWAY_WORKERS"
 
 log = logging.getLogger("gateway")
 
 
-def serve(config: Path | None, upstreams: Sequence[str] = (), host: str | None = None, port: int | None = None) -> int:
+def serve(
+    config: Path | None,
+    upstreams: Sequence[str] = (),
+    host: str | None = None,
+    port: int | None = None,
+    workers: str | None = None,
+) -> int:
     """The gateway only, in front of engines that already run."""
     try:
-        settings, plan = _load(config, upstreams, host, port)
+        settings, plan = _load(config, upstreams, host, port, workers)
         if not settings.models:
             raise SettingsError("no models: give --upstream NAME=URL or --config FILE")
     except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings)
-    run(serve_gateway(settings, plan.served_models()))
-    return 0
+    code: int = run(serve_gateway(settings, plan.served_models()))
+    return code
 
 
-def up(config: Path, host: str | None = None, port: int | None = None) -> int:
+def up(config: Path, host: str | None = None, port: int | None = None, workers: str | None = None) -> int:
     """Launch the engines of a config, then serve the gateway in front of them."""
     try:
-        settings, plan = _load(config, (), host, port)
+        settings, plan = _load(config, (), host, port, workers)
         if not settings.models:
             raise SettingsError(f"{config}: no models")
     except SettingsError as exc:
@@ -64,9 +77,12 @@ def up(config: Path, host: str | None = None, port: int | None = None) -> int:
 
 
 def _load(
-    config: Path | None, upstreams: Sequence[str], host: str | None, port: int | None
+    config: Path | None, upstreams: Sequence[str], host: str | None, port: int | None, workers: str | None = None
 ) -> tuple[GatewaySettings, DeploymentPlan]:
     settings = load_settings(config) if config else GatewaySettings()
+    workers = workers or os.environ.get(WORKERS_ENV) or None
+    if workers is not None:
+        settings.workers = worker_count(workers)  # SettingsError for a bad value
     if upstreams:
         settings.models = [*settings.models, *parse_upstreams(upstreams)]
     if host is not None:
@@ -85,10 +101,10 @@ async def _up(settings: GatewaySettings, plan: DeploymentPlan) -> int:
     if not supervisors and plan.engines:
         return 130  # interrupted while starting
     try:
-        await serve_gateway(settings, plan.served_models())
+        code = await serve_gateway(settings, plan.served_models())
     finally:
         await _stop_engines(supervisors)
-    return 0
+    return code
 
 
 async def _start_engines(plan: DeploymentPlan) -> list[EngineSupervisor]:

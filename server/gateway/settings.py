@@ -8,7 +8,7 @@ nothing here knows which port an engine listens on.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -100,6 +100,9 @@ class Limits(_Strict):
 class GatewaySettings(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+    # Gateway processes sharing the port (SO_REUSEPORT, server.gateway.server); "auto": one per
+    # core this process may run on. 1: the gateway runs in the launching process itself.
+    workers: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = 1
     models: list[ModelEngines] = Field(default_factory=list)
     timeouts: Timeouts = Field(default_factory=Timeouts)
     health: HealthCheck = Field(default_factory=HealthCheck)
@@ -112,6 +115,23 @@ class GatewaySettings(_Strict):
     log_format: Literal["json", "text"] = "json"
 
     source: Path | None = Field(default=None, exclude=True)
+
+
+def worker_count(workers: int | Literal["auto"] | str) -> int:
+    """How many gateway processes `workers` means: a number, or "auto" (one per usable core).
+
+    Raises SettingsError for anything else (the value of --workers or GATEWAY_WORKERS)."""
+    if workers == "auto":
+        import os
+
+        return max(1, len(os.sched_getaffinity(0)))
+    try:
+        count = int(workers)
+    except ValueError:
+        raise SettingsError(f"workers must be a number >= 1 or 'auto', not {workers!r}") from None
+    if not 1 <= count <= 256:
+        raise SettingsError(f"workers must be between 1 and 256 or 'auto', not {count}")
+    return count
 
 
 def load_settings(path: str | Path) -> GatewaySettings:

@@ -15,6 +15,13 @@ non-streaming request's full-response time can never be mistaken for a first-tok
 
 Every `request_started(model)` must be matched by exactly one `request_finished(model, ...)`,
 otherwise `gateway_requests_in_flight` drifts.
+
+With several gateway processes (server.gateway.server), each is created with `multiprocess_dir`:
+its metrics then live in prometheus-client's per-process files there (the process must have had
+PROMETHEUS_MULTIPROC_DIR set before prometheus_client was imported), none is registered on
+`registry`, and `registry` exposes the sums over every process, dead ones included for counters
+and histograms, live ones only for `gateway_requests_in_flight`. Collectors added to `registry`
+later (the engines' figures) are this process's own.
 """
 
 from __future__ import annotations
@@ -68,11 +75,26 @@ class _ModelSeries:
 class GatewayMetrics:
     """The gateway's request metrics, on its own registry (a fresh one when none is given)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None, *, max_models: int = MAX_MODELS):
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        max_models: int = MAX_MODELS,
+        multiprocess_dir: str | None = None,
+    ):
         self.registry = registry if registry is not None else CollectorRegistry()
         self._max_models = max_models
         self._models: dict[str, _ModelSeries] = {}
-        reg = self.registry
+        reg: CollectorRegistry | None = self.registry
+        if multiprocess_dir is not None:
+            from prometheus_client import multiprocess, values
+
+            if not getattr(values.ValueClass, "_multiprocess", False):
+                raise RuntimeError(
+                    "multiprocess metrics need PROMETHEUS_MULTIPROC_DIR set before prometheus_client loads"
+                )
+            multiprocess.MultiProcessCollector(self.registry, path=multiprocess_dir)  # type: ignore[no-untyped-call]
+            reg = None  # the files are the truth; registered here too, this process would count twice
         self._ttft = Histogram(
             "gateway_time_to_first_token_seconds",
             "Streaming requests only: from the request's arrival at the gateway to the first content token leaving it.",
@@ -107,6 +129,7 @@ class GatewayMetrics:
             "Requests received and not yet finished.",
             ["model"],
             registry=reg,
+            multiprocess_mode="livesum",  # several processes: the sum over the living ones
         )
         self._prompt_tokens = Counter(
             "gateway_prompt_tokens",

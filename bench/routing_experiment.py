@@ -1,0 +1,642 @@
+"""The cache-aware routing experiment: two real tiny replicas, one gateway, a multi-tenant workload
+with cache pressure, sent once per routing policy; how much of the prompts the engines' prefix
+caches served, the time to first token, and how the requests were split.
+
+The engines are started once, by the project's own supervisor (server.engine.supervisor), from a
+gateway config (default configs/gateway.routing.yaml: the tiny-cpu-routing profile, two replicas
+with 48 KV blocks of 128 tokens each and KV events). Then, for each policy in turn: every
+engine's prefix cache is emptied (POST /reset_prefix_cache), a gateway is started with that
+policy (`python -m server serve`, the same config with only `routing:` changed), the workload
+(loadtest.tenants) is sent through it by `--concurrency` simulated users (loadtest.client), and
+the gateway is stopped. The policies:
+
+- `round_robin`: each replica in turn (prefix affinity off).
+- `today`: the gateway's default before cache-aware routing: least outstanding after a prefix-key
+  affinity (rendezvous hashing of the prompt's first 1,024 characters).
+- `approximate`, `precise`: `cache_aware` with the approximate or the precise (KV events) index.
+- `oracle`: no gateway. The load tester sends tenant t straight to replica t mod 2: the tenants
+  split evenly, every conversation of a tenant on one replica.
+- `--weights balance=0` and the like add a `precise` run with those scorer weights.
+
+Per policy: the cached share of prompt tokens (usage.prompt_tokens_details.cached_tokens summed
+over prompt tokens), cross-checked with the engines' vllm:prefix_cache_hits_total /
+queries_total deltas; TTFT p50/p90; requests per replica (vllm:request_success_total deltas);
+the gateway's routing reasons (its access log). `--rounds N` repeats the whole list with the same
+engines, for side-by-side ratios on a noisy machine. Writes report.md, summary.json and
+command.txt into `--output`. Every process it started is stopped on any exit (Ctrl-C too).
+
+python -m bench.routing_experiment --help
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import platform
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from bench.procs import PYTHON, Processes, Started, free_port
+from loadtest.client import ChatClient, make_http_client
+from loadtest.metrics import percentile
+from loadtest.records import RequestRecord
+from loadtest.scenarios import Session
+from loadtest.tenants import Workload, sessions, tenant_of
+from server.config import read_mapping
+from server.deploy.plan import DeploymentPlan, plan_deployment
+from server.engine.supervisor import EngineSupervisor, prepare
+from server.gateway.engines.scoring import Weights
+from server.gateway.settings import load_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = ROOT / "configs" / "gateway.routing.yaml"
+DEFAULT_OUTPUT = ROOT / "loadtest" / "results" / "cache-aware-routing"
+ORACLE = "oracle"
+# Each policy's `routing:` section (merged over the config's). `today` is the default before the
+# cache-aware issue: policy least_outstanding after the prefix-key affinity (prefix_chars 1,024).
+POLICIES: dict[str, dict[str, Any] | None] = {
+    "round_robin": {"policy": "round_robin", "prefix_affinity": False},
+    "today": {"policy": "least_outstanding", "prefix_affinity": True, "prefix_chars": 1024},
+    "approximate": {"policy": "cache_aware", "prefix_index": "approximate"},
+    "precise": {"policy": "cache_aware", "prefix_index": "precise"},
+    ORACLE: None,
+}
+CACHE_AWARE = ("approximate", "precise")
+
+log = logging.getLogger("routing_experiment")
+
+
+def say(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# -- the phases to run -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One policy (or weight variant) to measure: its label and the gateway's `routing:` section."""
+
+    label: str
+    base: str  # one of POLICIES
+    routing: dict[str, Any] | None  # None: the oracle (no gateway)
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """`balance=0,prefix=2` -> {"balance": 0.0, "prefix": 2.0}, checked against the scorers."""
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r}: give NAME=NUMBER") from None
+    try:
+        Weights(**out)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+    return out
+
+
+def phases(policies: list[str], weights: list[dict[str, float]], weights_index: str) -> list[Phase]:
+    out = [Phase(p, p, POLICIES[p]) for p in policies]
+    defaults = Weights().model_dump()
+    for variant in weights:
+        label = f"{weights_index}[{','.join(f'{k}={v:g}' for k, v in variant.items())}]"
+        routing = {**(POLICIES[weights_index] or {}), "weights": {**defaults, **variant}}
+        out.append(Phase(label, weights_index, routing))
+    return out
+
+
+# -- configs and processes ---------------------------------------------------------------------
+
+
+def derived_config(config: Path, directory: Path, name: str, routing: dict[str, Any] | None, **top: Any) -> Path:
+    """`config` with absolute profile paths, `routing` merged over its own, written to `directory`."""
+    data = read_mapping(config)
+    for model in data.get("models", []):
+        if model.get("profile") and not Path(model["profile"]).is_absolute():
+            model["profile"] = str((config.parent / model["profile"]).resolve())
+        if top.get("base_port") is not None:
+            model["base_port"] = top["base_port"]
+    if routing is not None:
+        data["routing"] = {**data.get("routing", {}), **routing}
+    data.update({k: v for k, v in top.items() if k != "base_port" and v is not None})
+    path = directory / f"gateway-{name}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def gateway_code(workdir: Path, source: str) -> Path:
+    """Where the gateways import `server` from: a copy of commit `source` (others may be editing the
+    working tree while the experiment runs; every policy then runs the same code), or the tree."""
+    if source == "tree":
+        return ROOT
+    target = workdir / "code"
+    target.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", source, "server"], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
+    return target
+
+
+def commit_of(source: str) -> str:
+    if source == "tree":
+        return "working tree"
+    done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", source], capture_output=True, text=True)
+    return done.stdout.strip() or source
+
+
+async def start_engines(plan: DeploymentPlan) -> list[EngineSupervisor]:
+    """The plan's engines, supervised, ready (the same supervisor `python -m server up` uses)."""
+    for model in plan.models:
+        if model.profile is not None:
+            prepare(model.profile)
+    supervisors = [
+        EngineSupervisor(e.profile, host=e.host, port=e.port, name=f"{e.model}:{e.port}", max_restarts=0)
+        for e in plan.engines
+    ]
+    try:
+        for supervisor in supervisors:
+            await supervisor.start()
+        started = time.perf_counter()
+        waits = [asyncio.ensure_future(s.wait_ready()) for s in supervisors]
+        while not all(w.done() for w in waits):
+            await asyncio.wait(waits, timeout=15)
+            ready = sum(w.done() for w in waits)
+            say(f"engines: {ready}/{len(waits)} ready after {time.perf_counter() - started:.0f} s")
+            for wait in waits:
+                if wait.done():
+                    wait.result()  # raises EngineStartError
+        return supervisors
+    except BaseException:
+        await stop_engines(supervisors)
+        raise
+
+
+async def stop_engines(supervisors: list[EngineSupervisor]) -> None:
+    if supervisors:
+        say(f"stopping {len(supervisors)} engine(s)")
+        await asyncio.gather(*(s.stop() for s in supervisors), return_exceptions=True)
+
+
+async def wait_gateway(started: Started, url: str, engines: list[str], *, events: bool, timeout: float) -> None:
+    """Until the gateway is ready (and, for the precise index, receives every engine's events)."""
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=5, trust_env=False) as client:
+        while time.monotonic() < deadline:
+            if started.process.poll() is not None:
+                raise RuntimeError(f"the gateway exited with {started.process.returncode}:\n{started.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(f"{url}/ready")).status_code == 200:
+                    if not events:
+                        return
+                    text = (await client.get(f"{url}/metrics")).text
+                    up = metric_values(text, "gateway_engine_kv_events_up")
+                    if len(up) >= len(engines) and all(v == 1.0 for v in up.values()):
+                        return
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"the gateway was not ready within {timeout:.0f} s:\n{started.log_tail()}")
+
+
+async def stop_gateway(processes: Processes, started: Started) -> None:
+    await asyncio.to_thread(processes.stop, started, 30.0)
+
+
+# -- engine metrics ----------------------------------------------------------------------------
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def metric_values(text: str, name: str) -> dict[str, float]:
+    """Every sample of metric `name` in a Prometheus text page: labels text -> value."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match and match.group(1) == name:
+            with contextlib.suppress(ValueError):
+                out[match.group(2) or ""] = float(match.group(3))
+    return out
+
+
+ENGINE_COUNTERS = {
+    "hits": "vllm:prefix_cache_hits_total",
+    "queries": "vllm:prefix_cache_queries_total",
+    "requests": "vllm:request_success_total",
+}
+
+
+async def engine_counters(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    text = (await client.get(f"{url}/metrics")).text
+    return {key: sum(metric_values(text, name).values()) for key, name in ENGINE_COUNTERS.items()}
+
+
+async def reset_prefix_caches(client: httpx.AsyncClient, urls: list[str]) -> None:
+    for url in urls:
+        response = await client.post(f"{url}/reset_prefix_cache")
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}/reset_prefix_cache answered {response.status_code}: {response.text[:200]}")
+
+
+# -- the workload ------------------------------------------------------------------------------
+
+
+async def send_workload(
+    conversations: list[Session], route: dict[int, str], *, model: str, concurrency: int, timeout: float, label: str
+) -> list[RequestRecord]:
+    """Every conversation, `concurrency` at a time, turns in order; tenant t goes to `route[t]`."""
+    http = make_http_client(max_connections=concurrency * 2, timeout_s=timeout)
+    clients = {
+        url: ChatClient(url, http=http, model=model, timeout_s=timeout, extra_body={"temperature": 0})
+        for url in set(route.values())
+    }
+    queue = list(reversed(conversations))
+    records: list[RequestRecord] = []
+    origin = time.perf_counter()
+    total = sum(len(s.turns) for s in conversations)
+    last_report = [origin]
+
+    async def user() -> None:
+        while queue:
+            session = queue.pop()
+            client = clients[route[tenant_of(session)]]
+            messages = list(session.prefix)
+            for turn, (message, max_tokens) in enumerate(zip(session.turns, session.max_tokens, strict=True)):
+                messages.append(message)
+                record = RequestRecord(
+                    f"{label}-{session.id}-{turn}", run=label, session_id=session.id, turn=turn, max_tokens=max_tokens
+                )
+                answer = await client.stream(record, messages, origin=origin)
+                records.append(record)
+                if not record.ok:
+                    break  # the rest of this conversation would carry a broken history
+                messages.append({"role": "assistant", "content": answer.text})
+                now = time.perf_counter()
+                if now - last_report[0] >= 15:
+                    last_report[0] = now
+                    say(f"  {label}: {len(records)}/{total} requests, {now - origin:.0f} s")
+
+    try:
+        await asyncio.gather(*(user() for _ in range(concurrency)))
+    finally:
+        await http.aclose()
+    return records
+
+
+# -- one phase ---------------------------------------------------------------------------------
+
+
+@dataclass
+class PhaseResult:
+    label: str
+    base: str
+    round: int
+    requests: int = 0
+    failed: int = 0
+    errors: list[str] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    engine_hits: float = 0.0
+    engine_queries: float = 0.0
+    ttft_p50_s: float = float("nan")
+    ttft_p90_s: float = float("nan")
+    split: dict[str, int] = field(default_factory=dict)  # engine URL -> requests it finished
+    reasons: dict[str, int] = field(default_factory=dict)  # the gateway's routing reasons
+    sources: dict[str, int] = field(default_factory=dict)  # precise / approximate / none
+    seconds: float = 0.0
+
+    @property
+    def cached_share(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else float("nan")
+
+    @property
+    def engine_share(self) -> float:
+        return self.engine_hits / self.engine_queries if self.engine_queries else float("nan")
+
+    @property
+    def imbalance(self) -> float:
+        """Most requests on one replica over fewest (inf when a replica got none)."""
+        counts = list(self.split.values())
+        if not counts or max(counts) == 0:
+            return float("nan")
+        return max(counts) / min(counts) if min(counts) else float("inf")
+
+    def to_json(self) -> dict[str, Any]:
+        data = {k: v for k, v in self.__dict__.items()}
+        data.update(cached_share=self.cached_share, engine_share=self.engine_share, imbalance=self.imbalance)
+        return data
+
+
+def routing_counts(log: Path) -> tuple[dict[str, int], dict[str, int]]:
+    """The gateway access log's routing reasons and prefix-match sources."""
+    reasons: Counter[str] = Counter()
+    sources: Counter[str] = Counter()
+    for line in log.read_text(errors="replace").splitlines():
+        if '"routing"' not in line:
+            continue
+        with contextlib.suppress(ValueError):
+            routing = json.loads(line).get("routing") or {}
+            if isinstance(routing, dict) and routing.get("reason"):
+                reasons[routing["reason"]] += 1
+                sources[routing.get("source", "none")] += 1
+    return dict(reasons), dict(sources)
+
+
+async def run_phase(
+    phase: Phase, round_: int, *, args: argparse.Namespace, config: Path, workdir: Path, processes: Processes,
+    engines: list[str], model: str, conversations: list[Session], code: Path,
+) -> PhaseResult:  # fmt: skip
+    label = f"{phase.label} (round {round_})"
+    result = PhaseResult(phase.label, phase.base, round_)
+    async with httpx.AsyncClient(timeout=30, trust_env=False) as admin:
+        await reset_prefix_caches(admin, engines)
+        before = {url: await engine_counters(admin, url) for url in engines}
+        gateway: Started | None = None
+        tenants = sorted({tenant_of(s) for s in conversations})
+        try:
+            if phase.routing is None:
+                route = {t: engines[t % len(engines)] for t in tenants}
+            else:
+                port = free_port()
+                path = derived_config(
+                    config, workdir, f"{_slug(phase.label)}-{round_}", phase.routing, port=port, host="127.0.0.1"
+                )
+                gateway = processes.start(
+                    f"gateway-{_slug(phase.label)}-{round_}",
+                    [PYTHON, "-P", "-m", "server", "serve", "--config", str(path)],
+                    core=None, env={"PYTHONPATH": str(code)},
+                )  # fmt: skip
+                url = f"http://127.0.0.1:{port}"
+                events = phase.routing.get("policy") == "cache_aware" and phase.routing.get("prefix_index") == "precise"
+                await wait_gateway(gateway, url, engines, events=events, timeout=120)
+                route = dict.fromkeys(tenants, url)
+            say(f"{label}: sending {sum(len(s.turns) for s in conversations)} requests")
+            started = time.perf_counter()
+            records = await send_workload(
+                conversations, route, model=model, concurrency=args.concurrency, timeout=args.timeout, label=phase.label
+            )
+            result.seconds = time.perf_counter() - started
+        finally:
+            if gateway is not None:
+                await stop_gateway(processes, gateway)
+        after = {url: await engine_counters(admin, url) for url in engines}
+    ok = [r for r in records if r.ok]
+    result.requests = len(records)
+    result.failed = len(records) - len(ok)
+    result.errors = sorted({r.error or "" for r in records if not r.ok})[:5]
+    result.prompt_tokens = sum(r.prompt_tokens or 0 for r in ok)
+    result.cached_tokens = sum(r.cached_tokens or 0 for r in ok)
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    result.ttft_p50_s, result.ttft_p90_s = percentile(ttfts, 50), percentile(ttfts, 90)
+    result.engine_hits = sum(after[u]["hits"] - before[u]["hits"] for u in engines)
+    result.engine_queries = sum(after[u]["queries"] - before[u]["queries"] for u in engines)
+    result.split = {u: round(after[u]["requests"] - before[u]["requests"]) for u in engines}
+    if gateway is not None:
+        result.reasons, result.sources = routing_counts(gateway.log)
+    say(
+        f"{label}: cached share {result.cached_share:.3f} (engines {result.engine_share:.3f}), "
+        f"TTFT p50 {result.ttft_p50_s * 1000:.0f} ms p90 {result.ttft_p90_s * 1000:.0f} ms, "
+        f"split {list(result.split.values())}, failed {result.failed}, {result.seconds:.0f} s"
+    )
+    return result
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9]+", "-", text).strip("-")
+
+
+# -- the report --------------------------------------------------------------------------------
+
+
+def judge(results: list[PhaseResult]) -> dict[str, dict[str, Any]]:
+    """Per round and cache-aware phase, the issue's goals against that round's baselines."""
+    out: dict[str, dict[str, Any]] = {}
+    for round_ in sorted({r.round for r in results}):
+        by = {r.label: r for r in results if r.round == round_}
+        oracle, rr, today = by.get(ORACLE), by.get("round_robin"), by.get("today")
+        for result in by.values():
+            if result.base not in CACHE_AWARE:
+                continue
+            goals: dict[str, Any] = {"imbalance_at_most_1.5": result.imbalance <= 1.5}
+            if oracle is not None:
+                goals["share_vs_oracle"] = result.cached_share / oracle.cached_share
+                goals["share_within_10pct_of_oracle"] = result.cached_share >= 0.9 * oracle.cached_share
+            for name, base in (("round_robin", rr), ("today", today)):
+                if base is not None:
+                    goals[f"share_above_{name}"] = result.cached_share > base.cached_share
+                    goals[f"ttft_p90_below_{name}"] = result.ttft_p90_s < base.ttft_p90_s
+            out[f"{result.label} (round {round_})"] = goals
+    return out
+
+
+def report_markdown(results: list[PhaseResult], meta: dict[str, Any], goals: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        "# Cache-aware routing: two tiny replicas, one gateway, a multi-tenant workload",
+        "",
+        f"Run {meta['started']} on {meta['host']} ({meta['cpus']} CPUs; load average before: {meta['load_before']}, "
+        f"after: {meta['load_after']}).",
+        "",
+        f"Command: `{meta['command']}` (gateway code: {meta['gateway_code']})",
+        "",
+        f"Workload: {meta['workload']}; {meta['requests_per_phase']} requests per policy, "
+        f"{meta['concurrency']} conversations at a time, temperature 0.",
+        f"Engines: {meta['engines']} ({meta['profile']}).",
+        "",
+        "| round | policy | requests (failed) | cached share (cached_tokens) | engines' hits/queries | "
+        "TTFT p50 ms | TTFT p90 ms | split | routing reasons | s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(r.reasons.items(), key=lambda kv: -kv[1])) or "-"
+        lines.append(
+            f"| {r.round} | {r.label} | {r.requests} ({r.failed}) | {r.cached_share:.3f} | {r.engine_share:.3f} | "
+            f"{r.ttft_p50_s * 1000:.0f} | {r.ttft_p90_s * 1000:.0f} | {' / '.join(str(v) for v in r.split.values())} | "
+            f"{reasons} | {r.seconds:.0f} |"
+        )
+    lines += ["", "## Goals (per round, against that round's oracle, round robin and today's policy)", ""]
+    for name, checks in goals.items():
+        parts = [f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {'yes' if v else 'NO'}" for k, v in checks.items()]
+        lines.append(f"- {name}: " + "; ".join(parts))
+    return "\n".join(lines) + "\n"
+
+
+# -- main --------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.routing_experiment",
+        description="Cache-aware routing against round robin, today's policy and an oracle, on two real tiny replicas.",
+    )
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="gateway config with the engines")
+    parser.add_argument("--base-port", type=int, default=None, help="first engine port (default: the config's)")
+    parser.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help=f"comma-separated, in order (default and choices: {','.join(POLICIES)})",
+    )
+    parser.add_argument(
+        "--weights", type=parse_weights, action="append", default=[], metavar="NAME=N[,NAME=N]",
+        help="also run cache_aware with these scorer weights over the defaults (repeatable), e.g. balance=0",
+    )  # fmt: skip
+    parser.add_argument("--weights-index", choices=CACHE_AWARE, default="precise", help="index of the --weights runs")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat every policy this many times (same engines)")
+    parser.add_argument("--concurrency", type=int, default=4, help="conversations in flight")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    parser.add_argument(
+        "--code",
+        default="HEAD",
+        help="git commit the gateways run (a copy of its server/), or `tree`: the working tree",
+    )
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="report.md, summary.json, command.txt")
+    group = parser.add_argument_group("workload (loadtest.tenants)")
+    defaults = Workload()
+    group.add_argument("--tenants", type=int, default=defaults.tenants)
+    group.add_argument("--family-size", type=int, default=defaults.family_size, help="tenants sharing a preamble")
+    group.add_argument("--shared-chars", type=int, default=defaults.shared_chars, help="the preamble's characters")
+    group.add_argument("--system-chars", type=int, default=defaults.system_chars, help="each system prompt's chars")
+    group.add_argument("--conversations", type=int, default=defaults.conversations, help="per tenant")
+    group.add_argument("--turns", type=int, default=defaults.turns, help="per conversation")
+    group.add_argument("--max-tokens", type=int, default=defaults.max_tokens, help="per answer")
+    group.add_argument("--seed", type=int, default=defaults.seed)
+    return parser
+
+
+async def experiment(args: argparse.Namespace, argv: list[str]) -> int:
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        say(f"error: unknown policies {unknown} (choose from {', '.join(POLICIES)})")
+        return 2
+    workload = Workload(
+        tenants=args.tenants, family_size=args.family_size, shared_chars=args.shared_chars,
+        system_chars=args.system_chars, conversations=args.conversations, turns=args.turns,
+        max_tokens=args.max_tokens, seed=args.seed,
+    )  # fmt: skip
+    conversations = sessions(workload)
+    todo = phases(policies, args.weights, args.weights_index)
+    workdir = Path(tempfile.mkdtemp(prefix="routing-experiment-"))
+    say(f"logs and derived configs in {workdir}")
+    config = derived_config(args.config.resolve(), workdir, "engines", None, base_port=args.base_port)
+    settings = load_settings(config)
+    plan = plan_deployment(settings.models, config=config, placement="local")
+    served = plan.served_models()
+    if len(served) != 1 or len(served[0].urls) < 2:
+        say(f"error: {args.config} must serve one model with at least two replicas")
+        return 2
+    model, engines = served[0].name, served[0].urls
+    meta: dict[str, Any] = {
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "load_before": " ".join(f"{v:.2f}" for v in os.getloadavg()),
+        "command": shlex.join(["python", "-m", "bench.routing_experiment", *argv]),
+        "workload": workload.__dict__,
+        "requests_per_phase": workload.requests,
+        "concurrency": args.concurrency,
+        "engines": engines,
+        "profile": str(plan.models[0].profile_path.relative_to(ROOT)) if plan.models[0].profile_path else None,
+        "phases": [p.__dict__ for p in todo],
+        "logs": str(workdir),
+        "gateway_code": commit_of(args.code),
+    }
+    say(f"starting {len(plan.engines)} engines ({', '.join(engines)}); phases: {', '.join(p.label for p in todo)}")
+    say(f"engine output: {workdir / 'engines.log'}")
+    results: list[PhaseResult] = []
+    with engine_output(workdir / "engines.log"):
+        await run_all(args, todo, plan, config, workdir, engines, model, conversations, results, meta)
+    meta["load_after"] = " ".join(f"{v:.2f}" for v in os.getloadavg())
+    write_results(args.output, results, meta)
+    say(f"wrote {args.output}/report.md and summary.json")
+    return 0
+
+
+@contextlib.contextmanager
+def engine_output(path: Path) -> Iterator[None]:
+    """The supervisor copies every engine line to sys.stderr: to a file instead, while it runs."""
+    saved = sys.stderr
+    with path.open("a", buffering=1) as out:
+        sys.stderr = out
+        try:
+            yield
+        finally:
+            sys.stderr = saved
+
+
+async def run_all(
+    args: argparse.Namespace, todo: list[Phase], plan: DeploymentPlan, config: Path, workdir: Path,
+    engines: list[str], model: str, conversations: list[Session], results: list[PhaseResult], meta: dict[str, Any],
+) -> None:  # fmt: skip
+    """Start the engines, run every phase of every round, stop the engines (on any exit)."""
+    code = gateway_code(workdir, args.code)
+    supervisors = await start_engines(plan)
+    try:
+        with Processes(workdir) as processes:
+            for round_ in range(1, args.rounds + 1):
+                for phase in todo:
+                    results.append(
+                        await run_phase(
+                            phase,
+                            round_,
+                            args=args,
+                            config=config,
+                            workdir=workdir,
+                            processes=processes,
+                            engines=engines,
+                            model=model,
+                            conversations=conversations,
+                            code=code,
+                        )  # fmt: skip
+                    )
+                    write_results(args.output, results, meta)  # a partial run still leaves its figures
+    finally:
+        await stop_engines(supervisors)
+
+
+def write_results(output: Path, results: list[PhaseResult], meta: dict[str, Any]) -> None:
+    meta = {"load_after": "(running)", **meta}
+    goals = judge(results)
+    output.mkdir(parents=True, exist_ok=True)
+    summary = {"meta": meta, "results": [r.to_json() for r in results], "goals": goals}
+    (output / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    (output / "report.md").write_text(report_markdown(results, meta, goals))
+    (output / "command.txt").write_text(meta["command"] + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    async def guarded() -> int:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        assert task is not None
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)  # SIGINT: asyncio.run cancels already
+        return await experiment(args, argv)
+
+    try:
+        return asyncio.run(guarded())
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        say("interrupted: every process started was stopped")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,6 +16,15 @@ Each message is then tokenized alone, once: its net count ``c([m]) - per_call`` 
 a hash of its content (bounded LRU), so a conversation that grows by one message costs one small
 tokenize call. The estimate of a whole prompt is ``per_call + sum(net) + generation_prompt``.
 
+The work per request is bounded: at most `max_calls` new messages are tokenized for one request
+(the leading instructions first, then the newest messages backwards), and only as far back as a
+message could still be part of a prompt that fits the budget (every message costs at least
+`floor`, half the template's cost of an empty message). Every other new message is estimated
+from its size without a call (the upper bound below) and listed in `unseen`: an estimate too high
+only trims a little more, and a later turn counts the next ones. One request thus makes at most
+7 (calibration, once per model) + 2 (a new tool list) + `max_calls` + the verification rounds
+calls, and adds at most `max_calls` entries to the shared cache, so it cannot flush it.
+
 Not even that call is waited for when it cannot matter: `estimate_cached` answers from the cache
 alone, with a generous upper bound (twice the message's UTF-8 bytes, plus the template's cost of
 an empty message) for messages not seen yet. If the prompt fits its budget even so, the caller
@@ -36,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 import logging
 from collections import OrderedDict
@@ -43,7 +53,7 @@ from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.gateway.trimming.core import Message
+from server.gateway.trimming.core import Message, leading_instructions
 
 # tokenize(messages, add_generation_prompt) -> tokens; with tools, also a `tools=` keyword.
 Tokenize = Callable[..., Awaitable[int]]
@@ -117,17 +127,25 @@ class TokenCounter:
 
     One counter serves all models (keys include the model name). `max_entries` bounds the cache;
     `concurrency` bounds the tokenize calls made at once for one request's unseen messages;
+    `max_calls` bounds how many new messages one request (or one background task) tokenizes;
     `verify_margin` is how close to the budget an estimate may come before it is verified.
     """
 
     def __init__(
-        self, *, max_entries: int = 100_000, concurrency: int = 8, verify_margin: int = 8, max_background: int = 64
+        self,
+        *,
+        max_entries: int = 100_000,
+        concurrency: int = 8,
+        verify_margin: int = 8,
+        max_background: int = 64,
+        max_calls: int = 64,
     ) -> None:
-        if max_entries < 1 or concurrency < 1 or verify_margin < 0:
-            raise ValueError("max_entries and concurrency must be >= 1, verify_margin >= 0")
+        if max_entries < 1 or concurrency < 1 or verify_margin < 0 or max_calls < 1:
+            raise ValueError("max_entries, concurrency and max_calls must be >= 1, verify_margin >= 0")
         self.max_entries = max_entries
         self.concurrency = concurrency
         self.verify_margin = verify_margin
+        self.max_calls = max_calls
         # Counting tasks in flight; beyond that, new messages wait for the next turn.
         self.max_background = max_background
         self._cache: OrderedDict[tuple[str, Key], int] = OrderedDict()  # also tool lists' costs
@@ -160,7 +178,7 @@ class TokenCounter:
         From the cache alone when that is exact, or when the prompt fits `budget` even with the
         upper bounds of its unseen messages (listed in `unseen`: they are then counted in the
         background, for the next turn, and the request need not wait); otherwise counted, with
-        only the messages not seen before tokenized.
+        only the messages not seen before tokenized, at most `max_calls` of them (see `count`).
         """
         quick = self.estimate_cached(model, messages, add_generation_prompt, tools)
         if quick is not None and not quick.unseen:
@@ -168,7 +186,7 @@ class TokenCounter:
         if quick is not None and not self.needs_verification(model, quick.total, budget):
             self.learn_later(model, tokenize, quick.unseen)
             return quick
-        return await self.count(model, tokenize, messages, add_generation_prompt, tools)
+        return await self.count(model, tokenize, messages, add_generation_prompt, tools, budget=budget)
 
     async def verify(
         self,
@@ -227,7 +245,7 @@ class TokenCounter:
             value = cache.get(key)
             if value is None:
                 unseen.append(message)
-                value = 2 * _payload_bytes(message) + calibration.empty_message + 16
+                value = upper_bound(message, calibration)
             else:
                 cache.move_to_end(key)
             per_message.append(value)
@@ -250,33 +268,80 @@ class TokenCounter:
         messages: Sequence[Message],
         add_generation_prompt: bool = True,
         tools: list[Any] | None = None,
+        *,
+        budget: int | None = None,
     ) -> PromptCount:
-        """Estimate the prompt of `messages`; only messages not seen before are tokenized.
+        """Estimate the prompt of `messages`, tokenizing at most `max_calls` messages not seen before.
 
+        Which ones: the leading system/developer messages, then the newest backwards, as long as
+        a message could still be part of a prompt within `budget` (no limit without one). The
+        other new messages get an upper bound from their size and are listed in `unseen`.
         With `tools`, `tokenize` must accept them as ``tools=``; their cost joins the overhead.
         """
         calibration = await self._calibrate(model, tokenize)
+        overhead = calibration.per_call + (calibration.generation_prompt if add_generation_prompt else 0)
+        if tools:
+            overhead += await self._tools_cost(model, tokenize, tools)
         keys = [(model, message_key(m)) for m in messages]
-        missing: dict[tuple[str, Key], Message] = {}
-        for key, message in zip(keys, messages, strict=True):
-            if key in self._cache:
-                self._cache.move_to_end(key)
-            else:
-                missing.setdefault(key, message)
+        chosen = self._choose(keys, messages, calibration, overhead, budget)
         fresh: dict[tuple[str, Key], int] = {}
-        pending = list(missing.items())
+        pending = list(chosen.items())
         for start in range(0, len(pending), self.concurrency):
             batch = pending[start : start + self.concurrency]
             counts = await asyncio.gather(*(tokenize([m], False) for _, m in batch))
             for (key, _), raw in zip(batch, counts, strict=True):
                 fresh[key] = max(0, raw - calibration.per_call)
-        per_message = [fresh[key] if key in fresh else self._cache[key] for key in keys]
-        for key, value in fresh.items():
-            self._remember(key, value)
-        overhead = calibration.per_call + (calibration.generation_prompt if add_generation_prompt else 0)
-        if tools:
-            overhead += await self._tools_cost(model, tokenize, tools)
-        return PromptCount(per_message=per_message, overhead=overhead)
+        per_message: list[int] = []
+        unseen: list[Message] = []
+        for key, message in zip(keys, messages, strict=True):
+            value = fresh.pop(key, None)
+            if value is not None:
+                self._remember(key, value)  # in the conversation's order: the newest is the most recent
+            else:
+                value = self._cache.get(key)
+            if value is None:
+                unseen.append(message)
+                value = upper_bound(message, calibration)
+            per_message.append(value)
+        return PromptCount(per_message=per_message, overhead=overhead, unseen=unseen)
+
+    def _choose(
+        self,
+        keys: list[tuple[str, Key]],
+        messages: Sequence[Message],
+        calibration: Calibration,
+        overhead: int,
+        budget: int | None,
+    ) -> dict[tuple[str, Key], Message]:
+        """The new messages `count` tokenizes (at most `max_calls`), in the order of `count`'s doc.
+
+        Walks the instructions, then the conversation from its newest message back, adding what
+        each message costs at least (its cached count, else `floor`); it stops at `max_calls`
+        new messages or where even those least costs pass `budget`, since an older message can
+        then not be in any prompt that fits (the newest message is counted whatever its cost: it
+        is always sent). Messages found in the cache are marked recently used.
+        """
+        cache = self._cache
+        floor = max(1, calibration.empty_message // 2)
+        head = leading_instructions(messages)
+        order = itertools.chain(range(head), range(len(messages) - 1, head - 1, -1))
+        chosen: dict[tuple[str, Key], Message] = {}
+        least = overhead
+        for index in order:
+            key = keys[index]
+            value = cache.get(key)
+            if value is not None:
+                cache.move_to_end(key)
+                least += value
+                continue
+            least += floor
+            if key in chosen:
+                continue
+            could_fit = budget is None or index < head or index == len(messages) - 1 or least <= budget
+            if len(chosen) >= self.max_calls or not could_fit:
+                break
+            chosen[key] = messages[index]
+        return chosen
 
     def needs_verification(self, model: str, estimate: int, budget: int) -> bool:
         """Whether an estimate is close enough to the budget that only an exact count will do."""
@@ -354,6 +419,12 @@ class TokenCounter:
         self._cache.move_to_end(key)
         while len(self._cache) > self.max_entries:
             self._cache.popitem(last=False)
+
+
+def upper_bound(message: Message, calibration: Calibration) -> int:
+    """What a message not counted yet is taken to cost: more than any tokenizer that spends at most
+    one token per UTF-8 byte (byte-level BPE, byte fallback) renders it in, template included."""
+    return 2 * _payload_bytes(message) + calibration.empty_message + 16
 
 
 def _tools_key(tools: list[Any]) -> bytes:

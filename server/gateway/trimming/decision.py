@@ -1,4 +1,4 @@
-"""The trimming decision for one chat request, as a pure function: no I/O, no tokenizer, no clock.
+"""The trimming decision for one conversation (as chat messages), pure: no I/O, no tokenizer, no clock.
 
 Given the messages, what each one costs in the model's tokens (from `counter.TokenCounter`), the
 model's context length and trimming settings, `decide` says what to send: everything (`kept`),
@@ -6,14 +6,14 @@ fewer messages (`trimmed`), or a 400 `context_length_exceeded` (`rejected`). The
 (`server.gateway.trimming.step`) asks the counter for the counts, calls `decide`, lets the counter
 verify the chosen prompt when it comes close to the budget, and forwards.
 
-Budget = max_model_len - answer tokens (the request's `max_completion_tokens`, else `max_tokens`,
-else the profile's `trimming.default_max_tokens`), or `trimming.history_budget_tokens` when that
-is smaller. Modes: `auto` cuts with watermarks (`watermark`: down to the low mark, then the cut
-stays put so the prefix cache keeps hitting), `window` keeps the longest suffix that fits
-(`core.trim_messages`: the cut moves every turn), `strict` refuses what does not fit, `off`
-sends everything. The request header `x-trim-mode` may ask for a stricter mode than the
-profile's (off < window = auto < strict), never a looser one; between `window` and `auto` it
-chooses.
+Budget = max_model_len - answer tokens (the request's `max_completion_tokens`, else `max_tokens`;
+a Responses request's `max_output_tokens`; else the profile's `trimming.default_max_tokens`), or
+`trimming.history_budget_tokens` when that is smaller. Modes: `auto` cuts with watermarks
+(`watermark`: down to the low mark, then the cut stays put so the prefix cache keeps hitting),
+`window` keeps the longest suffix that fits (`core.trim_messages`: the cut moves every turn),
+`strict` refuses what does not fit, `off` sends everything. The request header `x-trim-mode`
+may ask for a stricter mode than the profile's (off < window = auto < strict), never a looser
+one; between `window` and `auto` it chooses.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ class Outcome(StrEnum):
     UNAVAILABLE = "unavailable"  # the tokens could not be counted: sent untrimmed
     REJECTED = "rejected"  # refused with 400 context_length_exceeded
     NO_BUDGET = "no-budget"  # neither a context length nor a history budget is known: sent untrimmed
+    # The engine prepends history the gateway cannot see (a Responses `previous_response_id`): sent untrimmed.
+    PREVIOUS_RESPONSE = "previous-response"
 
 
 # The outcomes whose responses say how many messages and tokens were dropped.
@@ -70,9 +72,13 @@ def effective_mode(configured: str, requested: str | None) -> str:
     return requested
 
 
-def answer_tokens(request: Mapping[str, Any], config: TrimmingConfig) -> int | None:
-    """Tokens reserved for the answer, or None when the request's value is not a usable integer."""
-    for key in ("max_completion_tokens", "max_tokens"):
+def answer_tokens(
+    request: Mapping[str, Any], config: TrimmingConfig, keys: Sequence[str] = ("max_completion_tokens", "max_tokens")
+) -> int | None:
+    """Tokens reserved for the answer: the first of the request's `keys` it sets (a Responses
+    request's is `max_output_tokens`), else the profile's default; None when the request's value
+    is not a usable integer."""
+    for key in keys:
         value = request.get(key)
         if value is None:
             continue
@@ -115,6 +121,7 @@ class TrimOutcome:
     dropped_tokens: int = 0
     prompt_tokens: int | None = None  # the prompt tokens sent, when counted
     kept: list[Message] | None = None  # the messages to send instead, when trimmed
+    body: dict[str, Any] | None = None  # the request body to send instead, when trimmed (set by the step)
     error: InvalidRequest | None = None  # the refusal, when rejected
 
     def response_headers(self) -> Headers:
@@ -137,6 +144,7 @@ def decide(
     *,
     limit: int | None = None,
     low_mark: float = 0.65,
+    param: str = "messages",
 ) -> TrimOutcome:
     """Fit `messages` (costing `per_message` tokens each, plus `overhead` once) into `budget`.
 
@@ -144,7 +152,7 @@ def decide(
     budget) is what the cut aims for: the caller lowers it when an exact count showed the
     estimate was short. `low_mark` is the fraction of it a watermark cut goes down to. The
     outcome is `kept` or `trimmed` with the estimated `prompt_tokens`, or `rejected` with the
-    error to answer.
+    error to answer (naming `param`, the request's field that holds the conversation).
     """
     counts = dict(zip(map(id, messages), per_message, strict=True))
 
@@ -157,7 +165,7 @@ def decide(
     else:
         result = trim_messages(messages, high, count, overhead=overhead)
     if not result.fits or (mode == "strict" and result.trimmed):
-        return refusal(result, budget, mode)
+        return refusal(result, budget, mode, param)
     if not result.trimmed:
         return TrimOutcome(Outcome.KEPT, prompt_tokens=result.kept_tokens)
     return TrimOutcome(
@@ -169,7 +177,7 @@ def decide(
     )
 
 
-def refusal(result: TrimResult, budget: Budget, mode: str) -> TrimOutcome:
+def refusal(result: TrimResult, budget: Budget, mode: str, param: str = "messages") -> TrimOutcome:
     """The 400 for a request that does not fit (or, in strict mode, would need trimming)."""
     if mode == "strict" and result.fits:
         tokens = result.kept_tokens + result.dropped_tokens
@@ -187,11 +195,13 @@ def refusal(result: TrimResult, budget: Budget, mode: str) -> TrimOutcome:
         f"This model's prompt budget is {budget.tokens} tokens ({budget.origin()}); the request's "
         f"messages need {tokens} tokens. {why}"
     )
-    error = InvalidRequest(message, param="messages", code="context_length_exceeded")
+    error = InvalidRequest(message, param=param, code="context_length_exceeded")
     return TrimOutcome(Outcome.REJECTED, prompt_tokens=tokens, error=error)
 
 
-def overshoot(messages: Sequence[Message], sent: int, budget: Budget, mode: str) -> TrimOutcome:
+def overshoot(
+    messages: Sequence[Message], sent: int, budget: Budget, mode: str, param: str = "messages"
+) -> TrimOutcome:
     """The refusal when exact counts kept exceeding the budget however far the cut was moved."""
     result = TrimResult(
         messages=list(messages),
@@ -202,4 +212,4 @@ def overshoot(messages: Sequence[Message], sent: int, budget: Budget, mode: str)
         fits=False,
         required_tokens=sent,
     )
-    return refusal(result, budget, mode)
+    return refusal(result, budget, mode, param)

@@ -1,15 +1,20 @@
-"""History trimming as a request step: fit a chat request into its engine, or say why not.
+"""History trimming as a request step: fit a chat or Responses request into its engine, or say why not.
 
 The router parses each request once into a `GatewayRequest` and calls `HistoryTrimming` on it
-before the proxy. For an endpoint that trims history, whose model has a `TrimTarget`, the step
+before the proxy. For an endpoint that trims history (chat's `messages`; a Responses create's
+`instructions` + `input`, read as chat messages by `history.responses_history`), whose model has
+a `TrimTarget`, the step
 
 1. reads: the model's budget (`decision.prompt_budget`) and the mode (profile, `x-trim-mode`);
 2. counts: `counter.TokenCounter.estimate` (from its cache when it can; a tokenize call per new
-   message when it must);
+   message when it must, at most `TokenCounter.max_calls` of them per request);
 3. decides: `decision.decide`, a pure function (keep, trim, or refuse);
 4. verifies: the counter recounts the chosen prompt exactly when it comes close to the budget;
 5. forwards: a trimmed body replaces the request's (`GatewayRequest.replace_body`), and the
    `x-trim-*` headers join the response (`GatewayRequest.response_headers`).
+
+A Responses request with a `previous_response_id` is sent untouched with `x-trim-status:
+previous-response`: the engine prepends the stored conversation, which the gateway never sees.
 
 A refusal raises `InvalidRequest` (400 `context_length_exceeded`, with the `x-trim-*` headers).
 Anything the step cannot count — a model without a target, an unusable `max_tokens`, a tokenizer
@@ -24,9 +29,10 @@ import functools
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeGuard
+from typing import Any, Protocol
 
 from server.engine.profiles import TrimmingConfig
+from server.gateway.edge.endpoints import Endpoint
 from server.gateway.edge.requests import GatewayRequest
 from server.gateway.trimming.core import Message
 from server.gateway.trimming.counter import TokenCounter
@@ -41,6 +47,7 @@ from server.gateway.trimming.decision import (
     parse_mode,
     prompt_budget,
 )
+from server.gateway.trimming.history import History, chat_history, hides_history, responses_history
 
 log = logging.getLogger("gateway.trimming")
 
@@ -99,10 +106,11 @@ class HistoryTrimming:
         return self.counter.counting_in_background
 
     async def __call__(self, request: GatewayRequest) -> None:
-        if not request.endpoint.trims_history:
+        read = reader(request.endpoint)
+        if read is None:
             return
         requested = parse_mode(request.header(MODE_HEADER))
-        outcome = await self.outcome(request.model, request.body, requested)
+        outcome = await self.outcome(request.model, request.body, requested, read)
         if outcome is None:
             return
         headers = outcome.response_headers()
@@ -110,18 +118,25 @@ class HistoryTrimming:
             outcome.error.headers = headers
             raise outcome.error
         request.response_headers.extend(headers)
-        if outcome.kept is not None:
-            request.replace_body({**request.body, "messages": outcome.kept})
+        if outcome.body is not None:
+            request.replace_body(outcome.body)
             request.trimmed_messages = outcome.dropped_messages
             request.trimmed_tokens = outcome.dropped_tokens
             if self.metrics is not None:
                 self.metrics.trimmed(request.model, outcome.dropped_messages, outcome.dropped_tokens)
 
-    async def outcome(self, model: str, body: dict[str, Any], requested: str | None) -> TrimOutcome | None:
-        """What to do with the chat request `body` for `model`, when the client asked for mode
-        `requested` (already checked by `parse_mode`); None to pass it through without a word."""
-        messages = body.get("messages")
-        if not _is_chat(messages):
+    async def outcome(
+        self,
+        model: str,
+        body: dict[str, Any],
+        requested: str | None,
+        read: Reader = chat_history,
+    ) -> TrimOutcome | None:
+        """What to do with the request `body` for `model` (its conversation read by `read`), when
+        the client asked for mode `requested` (already checked by `parse_mode`); None to pass it
+        through without a word. A trimmed outcome carries the body to send (`body`)."""
+        history = read(body)
+        if history is None:
             return None
         try:
             target = await self.lookup(model)
@@ -134,7 +149,9 @@ class HistoryTrimming:
         mode = effective_mode(config.mode, requested)
         if mode == "off":
             return None
-        reserved = answer_tokens(body, config)
+        if read is responses_history and hides_history(body):
+            return TrimOutcome(Outcome.PREVIOUS_RESPONSE)
+        reserved = answer_tokens(body, config, history.answer_keys)
         if reserved is None:
             return None  # a bad max_tokens: let the engine say so
         tokens = prompt_budget(target.max_model_len, reserved, config)
@@ -142,7 +159,7 @@ class HistoryTrimming:
             return TrimOutcome(Outcome.NO_BUDGET)
         budget = Budget(tokens, target.max_model_len, reserved)
         try:
-            outcome = await self._fit(model, body, target, messages, budget, mode)
+            outcome = await self._fit(model, target, history, budget, mode)
         except Exception as exc:  # noqa: BLE001 - any tokenizer failure: pass through, untrimmed
             if model not in self._failing:
                 self._failing.add(model)
@@ -153,25 +170,30 @@ class HistoryTrimming:
                 )
             return TrimOutcome(Outcome.UNAVAILABLE)
         self._failing.discard(model)
+        if outcome.kept is not None:
+            outcome.body, outcome.dropped_messages = history.trimmed(outcome.dropped_messages)
         return outcome
 
-    async def _fit(
-        self, model: str, body: dict[str, Any], target: TrimTarget, messages: list[Message], budget: Budget, mode: str
-    ) -> TrimOutcome:
-        generation_prompt = bool(body.get("add_generation_prompt", True)) and not body.get(
-            "continue_final_message", False
-        )
-        tools = body.get("tools")
-        tools = tools if isinstance(tools, list) and tools and accepts_tools(type(target)) else None
+    async def _fit(self, model: str, target: TrimTarget, history: History, budget: Budget, mode: str) -> TrimOutcome:
+        messages, generation_prompt = history.messages, history.generation_prompt
+        tools = history.tools if accepts_tools(type(target)) else None
+        param = history.param
         tokenize, counter, low_mark = target.tokenize, self.counter, target.trimming.low_mark
         counts = await counter.estimate(model, tokenize, messages, generation_prompt, budget.tokens, tools)
-        if counts.unseen:
+        if counts.unseen and not counter.needs_verification(model, counts.total, budget.tokens):
             return TrimOutcome(Outcome.KEPT)  # fits even with upper bounds: sent before it is counted
         limit = budget.tokens
         sent = counts.total
         for _ in range(_MAX_ROUNDS):
             outcome = decide(
-                messages, counts.per_message, counts.overhead, budget, mode, limit=limit, low_mark=low_mark
+                messages,
+                counts.per_message,
+                counts.overhead,
+                budget,
+                mode,
+                limit=limit,
+                low_mark=low_mark,
+                param=param,
             )
             if outcome.prompt_tokens is None or outcome.status is Outcome.REJECTED:
                 return outcome
@@ -183,13 +205,16 @@ class HistoryTrimming:
                 outcome.prompt_tokens = sent
                 return outcome
             limit -= sent - budget.tokens  # the estimate was short: ask for that much less
-        return overshoot(messages, sent, budget, mode)
+        return overshoot(messages, sent, budget, mode, param)
 
 
-def _is_chat(messages: Any) -> TypeGuard[list[Message]]:
-    """A non-empty list of message objects with string roles (the router checked it already)."""
-    return (
-        isinstance(messages, list)
-        and bool(messages)
-        and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)
-    )
+Reader = Callable[[dict[str, Any]], History | None]
+
+
+def reader(endpoint: Endpoint) -> Reader | None:
+    """How to read the conversation of a request to `endpoint`; None where history is not trimmed.
+
+    A Responses create (the endpoint that stores responses) is read as `instructions` + `input`."""
+    if endpoint.stores_responses:
+        return responses_history
+    return chat_history if endpoint.trims_history else None

@@ -224,3 +224,62 @@ async def test_estimate_cached_needs_the_tools_cost_first():
     assert counter.estimate_cached("m", messages, tools=tools) is None
     await counter.count("m", template.tokenize, messages, tools=tools)
     assert counter.estimate_cached("m", messages, tools=tools).total == template.exact(messages, True) + 5
+
+
+# ---- the work per request is bounded (issue 15: 20,000 messages made 20,008 tokenize calls) ----
+
+
+async def test_a_request_of_many_new_messages_tokenizes_at_most_max_calls_and_keeps_the_cache():
+    template = Template()
+    counter = TokenCounter(max_entries=1_000, max_calls=32)
+    earlier = [_turn(i) for i in range(30)]
+    await counter.count("m", template.tokenize, earlier)
+    before = len(template.calls)
+    flood = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(20_000)]
+    count = await counter.count("m", template.tokenize, flood, budget=100_000)
+    assert len(template.calls) - before == 32
+    assert [len(call) for call in template.calls[before:]] == [1] * 32
+    # The newest 32 are exact, the rest upper bounds: never short of the truth.
+    assert count.per_message[-32:] == [template.exact([m], False) for m in flood[-32:]]
+    assert len(count.unseen) == 20_000 - 32
+    assert count.total >= template.exact(flood, True)
+    # The earlier conversation is still cached: no call to count it again.
+    quick = counter.estimate_cached("m", earlier)
+    assert quick is not None and quick.unseen == []
+    assert len(counter) == 30 + 32
+
+
+async def test_only_messages_that_could_still_fit_the_budget_are_counted():
+    template = Template()
+    counter = TokenCounter(max_calls=1_000)
+    await counter.count("m", template.tokenize, [{"role": "user", "content": "calibrate"}])
+    before = len(template.calls)
+    # Each message costs 3 + 2 = 5 tokens, at least floor = 3 // 2 = 1; budget 40.
+    messages = [{"role": "user", "content": f"x{i} y"} for i in range(500)]
+    count = await counter.count("m", template.tokenize, messages, budget=40)
+    calls = len(template.calls) - before
+    assert 7 <= calls <= 40  # the newest messages up to where even a token each passes 40
+    assert count.per_message[-7:] == [5] * 7  # the longest suffix that fits is exact
+    assert count.total >= template.exact(messages, True)
+
+
+async def test_the_instructions_and_the_newest_message_are_always_counted():
+    template = Template()
+    counter = TokenCounter(max_calls=4)
+    await counter.count("m", template.tokenize, [{"role": "user", "content": "calibrate"}])
+    system = {"role": "system", "content": "rules " * 50}
+    newest = {"role": "user", "content": "question " * 80}
+    middle = [{"role": "assistant", "content": f"a{i}"} for i in range(100)]
+    count = await counter.count("m", template.tokenize, [system, *middle, newest], budget=20)
+    assert count.per_message[0] == template.exact([system], False)
+    assert count.per_message[-1] == template.exact([newest], False)
+    assert system not in count.unseen and newest not in count.unseen
+
+
+async def test_background_learning_is_bounded_too():
+    template = Template()
+    counter = TokenCounter(max_calls=8)
+    await counter.count("m", template.tokenize, [{"role": "user", "content": "calibrate"}])
+    before = len(template.calls)
+    await counter.learn("m", template.tokenize, [{"role": "user", "content": f"n{i}"} for i in range(1_000)])
+    assert len(template.calls) - before == 8

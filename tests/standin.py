@@ -685,6 +685,9 @@ def _stream_events(plan: _Generation, model: str) -> list[tuple[str, bytes]]:
     """Every SSE event of one stream, pre-encoded: ("role"|"token"|"usage", bytes)."""
     created = int(time.time())
     dumps = json.dumps
+    # vLLM 0.32 stamps the fingerprint on the chunk that finishes a choice only without include_usage
+    # (with it, on the usage chunk instead).
+    stamp = "" if plan.include_usage else f',"system_fingerprint":"{SYSTEM_FINGERPRINT}"'
     if plan.chat:
         head = (
             f'data: {{"id":"chatcmpl-{plan.request_id}","object":"chat.completion.chunk",'
@@ -696,7 +699,10 @@ def _stream_events(plan: _Generation, model: str) -> list[tuple[str, bytes]]:
             b'"prompt_token_ids":null,"prompt_text":null}\n\n',
         )]  # fmt: skip
         middle = b'},"logprobs":null,"finish_reason":null,"token_ids":null}]}\n\n'
-        last = f'}},"logprobs":null,"finish_reason":"{plan.finish_reason}","stop_reason":null,"token_ids":null}}]}}\n\n'
+        last = (
+            f'}},"logprobs":null,"finish_reason":"{plan.finish_reason}","stop_reason":null,'
+            f'"token_ids":null}}]{stamp}}}\n\n'
+        )
         for i in range(plan.n_tokens):
             token = dumps(VOCABULARY[i % len(VOCABULARY)]).encode()
             tail = middle if i < plan.n_tokens - 1 else last.encode()
@@ -713,7 +719,7 @@ def _stream_events(plan: _Generation, model: str) -> list[tuple[str, bytes]]:
         )
         last = (
             f',"logprobs":null,"finish_reason":"{plan.finish_reason}","stop_reason":null,'
-            f'"prompt_token_ids":null,"token_ids":null}}]}}\n\n'
+            f'"prompt_token_ids":null,"token_ids":null}}]{stamp}}}\n\n'
         ).encode()
         events = []
         for i in range(plan.n_tokens):

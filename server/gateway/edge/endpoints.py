@@ -50,6 +50,7 @@ class Endpoint:
     stream_format: StreamFormat = CHAT
     stores_responses: bool = False  # Responses create: the gateway picks response ids; previous_response_id pins
     fan_out: bool = False  # sent to every replica of the model; needs the admin key
+    usage_option: bool = False  # takes `stream_options.include_usage` (the proxy always asks: proxy.hidden_usage)
 
     @property
     def prefix(self) -> str:
@@ -68,8 +69,8 @@ def _json(name: str, path: str, **options: Any) -> Endpoint:
 
 ENDPOINTS: tuple[Endpoint, ...] = (
     # Generation (engines of a `generate` model).
-    Endpoint("chat", "/v1/chat/completions", check=check_messages, trims_history=True),
-    Endpoint("completions", "/v1/completions", check=check_prompt),
+    Endpoint("chat", "/v1/chat/completions", check=check_messages, trims_history=True, usage_option=True),
+    Endpoint("completions", "/v1/completions", check=check_prompt, usage_option=True),
     _json("chat_batch", "/v1/chat/completions/batch"),
     Endpoint("responses", "/v1/responses", stream_format=RESPONSES, stores_responses=True),
     Endpoint(

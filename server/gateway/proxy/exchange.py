@@ -3,7 +3,9 @@
 It sends the body bytes it is given (`GatewayRequest.raw`) and answers as the engine answers:
 same status, same headers (minus hop-by-hop ones), same bytes. Streams are relayed chunk by
 chunk as they arrive; per chunk the only extra work is two `bytes.find` calls (first token,
-usage).
+usage). A streamed chat/completions request whose client did not ask for usage is sent with
+`include_usage` anyway and its usage chunk is taken out of the client's stream (hidden_usage:
+one more `find` per chunk), so that every stream's tokens are counted.
 
 Failure handling, in the order a request meets it (`failures` has the table):
 - connection refused/reset, or a 503, before any byte reached the client: another replica,
@@ -48,10 +50,12 @@ from server.gateway.errors import (
 )
 from server.gateway.observability.record import (
     CLIENT_CLOSED,
+    CLIENT_STALLED,
     RequestRecord,
 )
 from server.gateway.proxy.deadlines import Deadlines, Reason
 from server.gateway.proxy.failures import Failure, Stage, upstream_failure
+from server.gateway.proxy.hidden_usage import HiddenUsage, hide_usage_from_client
 from server.gateway.proxy.sse import UsageScanner, usage_from_body
 from server.gateway.proxy.upstream import UpstreamResponse
 
@@ -107,7 +111,7 @@ def upstream_headers(request: GatewayRequest, forward_auth: bool) -> Headers:
 class Exchange:
     """One client request and its answer, from routing to the last byte."""
 
-    __slots__ = ("deadlines", "last", "proxy", "record", "request", "send")
+    __slots__ = ("deadlines", "hidden", "hide_usage", "last", "proxy", "record", "request", "send", "stalled")
 
     def __init__(self, proxy: Proxy, request: GatewayRequest, record: RequestRecord, send: Send) -> None:
         self.proxy = proxy
@@ -116,12 +120,16 @@ class Exchange:
         self.send = send
         self.deadlines: Deadlines | None = None
         self.last = b""  # the last chunk relayed, kept when a deadline cuts a stream (its error event follows it)
+        self.hide_usage = False  # the engine is asked for usage the client did not ask for (proxy.hidden_usage)
+        self.hidden: HiddenUsage | None = None
+        self.stalled = False  # a deadline cut the stream while the client was not taking its chunks
 
     async def run(self, pool: ModelPool, receive: Receive) -> None:
         t = self.proxy.settings.timeouts
         task = asyncio.current_task()
         assert task is not None
         deadlines = self.deadlines = Deadlines(task, self.record.arrived, t.first_byte, t.idle, t.total, receive)
+        self.hide_usage = hide_usage_from_client(self.request)
         try:
             await self._forward(pool)
         except asyncio.CancelledError:
@@ -281,12 +289,17 @@ class Exchange:
         model = self.request.model
         stream_format = self.request.endpoint.stream_format
         has_token = stream_format.has_token
-        scanner = UsageScanner()
+        # What the client gets of each chunk: all of it, or (usage it did not ask for) the chunk without it.
+        hidden = self.hidden = HiddenUsage(self.proxy.fingerprints, engine.id) if self.hide_usage else None
+        scanner: UsageScanner | HiddenUsage = hidden if hidden is not None else UsageScanner()
+        feed = scanner.feed
         last = first
         if has_token(first):
             self._first_token(now)
-        scanner.feed(first)
-        await send({"type": "http.response.body", "body": first, "more_body": True})
+        out = feed(first)
+        if out:
+            await send({"type": "http.response.body", "body": out, "more_body": True})
+        sending = False  # the relay waits for the client to take a chunk (flow control), not for the engine
         try:
             while chunk := await read_chunk():
                 now = perf_counter()
@@ -298,12 +311,19 @@ class Exchange:
                         record.last_token_at = now
                     else:
                         self._first_token(now)
-                scanner.feed(chunk)
-                last = chunk
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                out = feed(chunk)
+                if out:
+                    last = out
+                    sending = True
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                    sending = False
         except httpx.HTTPError as exc:
             if deadlines is not None:
                 deadlines.disarm()
+            held = self._take_held()
+            if held:
+                last = held
+                await send({"type": "http.response.body", "body": held, "more_body": True})
             if not stream_format.finished(last):
                 failure = self._failed(exc, engine, Stage.STREAM)
                 record.error = failure.error.message
@@ -317,11 +337,24 @@ class Exchange:
                 )
         except asyncio.CancelledError:  # a deadline: its error event follows the last chunk (see run)
             self.last = last
+            self.stalled = sending
             raise
         if deadlines is not None:
             deadlines.disarm()
         record.usage = scanner.finish()
+        rest = self._take_held()
+        if rest:
+            await send({"type": "http.response.body", "body": rest, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _take_held(self) -> bytes:
+        """Bytes the usage filter held back (see proxy.hidden_usage), to send before the stream ends."""
+        hidden = self.hidden
+        if hidden is None:
+            return b""
+        out = hidden.rest + hidden.take()
+        hidden.rest = b""
+        return out
 
     def _first_token(self, now: float) -> None:
         record = self.record
@@ -354,6 +387,9 @@ class Exchange:
             record.status, record.error = CLIENT_CLOSED, "client disconnected"
             return
         t = self.proxy.settings.timeouts
+        if self.stalled and record.started:
+            await self._cut_stalled_client(reason, t.idle if reason == "idle" else t.total)
+            return
         name, limit = {
             "first_byte": ("first byte", t.first_byte),
             "idle": ("idle", t.idle),
@@ -368,8 +404,30 @@ class Exchange:
             exc.headers.append((b"x-request-id", self.request.request_id.encode()))
             await send_error(self.send, exc)
         else:
+            held = self._take_held()
             event = self.request.endpoint.stream_format.error_event(exc, self.last)
-            await self.send({"type": "http.response.body", "body": event, "more_body": False})
+            await self.send({"type": "http.response.body", "body": held + event, "more_body": False})
+
+    async def _cut_stalled_client(self, reason: Reason, limit: float) -> None:
+        """The deadline passed while the relay waited for the client to take a chunk: the client, not
+        the engine, stopped the stream. Nothing more can reach it (an error event would wait behind
+        the unsent bytes too): its connection is closed at once."""
+        record = self.record
+        record.status = CLIENT_CLOSED
+        if reason == "idle":
+            record.error = (
+                f"{CLIENT_STALLED}: the client took none of the stream for the gateway's idle timeout "
+                f"of {limit:g} s; its connection was closed"
+            )
+        else:
+            record.error = (
+                f"{CLIENT_STALLED}: the gateway's total timeout of {limit:g} s passed while the client "
+                "was not reading; its connection was closed"
+            )
+        log.warning("request %s: %s", record.request_id, record.error)
+        abort = self.request.abort_client
+        if abort is not None:
+            abort()
 
     async def _end_stream_on_shutdown(self) -> None:
         """The server's grace period is over: end a started stream properly instead of cutting it."""

@@ -35,6 +35,8 @@ class Proxy:
         self.connect_timeout = settings.timeouts.connect
         self.forward_auth = forward_auth  # without keys of its own, the gateway passes the client's on
         self._targets: dict[tuple[str, str], Any] = {}
+        # Engine id -> the `system_fingerprint` it last sent (JSON), for streams whose usage is hidden.
+        self.fingerprints: dict[str, bytes] = {}
 
     def target(self, engine: Engine, path: str, method: str = "POST", *, cache: bool = True) -> Any:
         """The engine's endpoint, parsed once (parsing a URL costs more than the rest of a request's set-up).

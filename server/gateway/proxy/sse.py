@@ -38,7 +38,7 @@ def has_token(chunk: bytes) -> bool:
     return any(marker in chunk for marker in _TOOL_MARKERS)
 
 
-def _usage_object_follows(chunk: bytes, start: int = 0) -> int:
+def usage_object_follows(chunk: bytes, start: int = 0) -> int:
     """Index of a `"usage":` followed by an object (not null), or -1."""
     i = chunk.find(_USAGE_MARKER, start)
     while i != -1:
@@ -86,7 +86,9 @@ class UsageScanner:
         self.usage: dict[str, Any] | None = None
         self._tail = b""
 
-    def feed(self, chunk: bytes) -> None:
+    def feed(self, chunk: bytes) -> bytes:
+        """Look at `chunk`; returns it (all of it goes to the client)."""
+        given = chunk
         if self._tail:
             chunk = self._tail + chunk
             self._tail = b""
@@ -96,13 +98,14 @@ class UsageScanner:
             if len(chunk) - cut <= MAX_USAGE_BUFFER:  # else: not SSE we understand; drop it
                 self._tail = chunk[cut:]
             chunk = chunk[:cut]
-        if _usage_object_follows(chunk) == -1:
-            return
+        if usage_object_follows(chunk) == -1:
+            return given
         for event in chunk.split(b"\n\n"):
-            if _usage_object_follows(event) != -1:
+            if usage_object_follows(event) != -1:
                 usage = usage_from_event(event)
                 if usage is not None:
                     self.usage = usage
+        return given
 
     def finish(self) -> dict[str, Any] | None:
         """The usage seen, after also trying an unterminated final event."""
@@ -116,7 +119,7 @@ class UsageScanner:
 
 def usage_from_body(body: bytes) -> dict[str, Any] | None:
     """The `usage` of a complete (non-streaming) JSON answer, or None."""
-    if _usage_object_follows(body) == -1:
+    if usage_object_follows(body) == -1:
         return None
     try:
         payload = loads(body)

@@ -8,12 +8,15 @@ server needs and uvicorn does not do by itself:
   the request sees a disconnect, as if the client had left);
 - at most `max_connections` client connections at once; one more is answered 503 and closed;
 - malformed HTTP (bad Content-Length, Content-Length with Transfer-Encoding, a bad chunk size,
-  an unknown method) is answered 400 in the OpenAI error envelope, not in plain text.
+  an unknown method) is answered 400 in the OpenAI error envelope, not in plain text;
+- the app can abort a request's connection (`scope["extensions"][ABORT_EXTENSION]()`): a
+  stream whose client stopped reading is closed without waiting for the unsent bytes to drain.
 """
 
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -32,6 +35,9 @@ class TooManyConnections(GatewayError):
     type = "service_unavailable"
     code = "too_many_connections"
 
+
+# The scope key (under "extensions") of a callable that aborts the request's connection.
+ABORT_EXTENSION = "gateway.abort_connection"
 
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 503: b"Service Unavailable"}
 
@@ -103,6 +109,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._disarm()
         super().on_headers_complete()
         self._arm(self.limits.body_timeout, "body")
+        if self.cycle is not None:
+            extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
+            extensions[ABORT_EXTENSION] = partial(self._abort, self.cycle)
 
     def on_message_complete(self) -> None:
         self._disarm()
@@ -129,6 +138,12 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             )
         else:  # the app is reading the body: closing makes it see a disconnect
             self.transport.close()
+
+    def _abort(self, cycle: Any) -> None:
+        """Close the connection at once, dropping what it has not sent (a client that stopped reading)."""
+        if not cycle.response_complete:
+            cycle.disconnected = True  # the app's pending `send` returns, and uvicorn logs no error for it
+        self.transport.abort()
 
     def _refuse(self, exc: GatewayError) -> None:
         self.transport.write(raw_error_response(exc))

@@ -17,6 +17,10 @@ log = logging.getLogger("gateway")
 
 UNKNOWN_MODEL = "_unknown"  # the metrics label of requests refused before their model was known
 CLIENT_CLOSED = 499  # nginx's code for "the client closed the connection"; logs and metrics only
+# The error of a stream cut because its client stopped reading (logged with CLIENT_CLOSED): a
+# deadline passed while the gateway waited to hand the client a chunk, not while it waited for the
+# engine (that is the engine's idle timeout, a 504-style error event in the stream).
+CLIENT_STALLED = "client_stalled"
 
 
 class RequestMetrics(Protocol):

@@ -1,0 +1,294 @@
+"""`make bench`, second part: the gateway's ceiling with one and two worker processes, beside vllm-router.
+
+One stand-in engine (tests/standin.py: 20 ms to the first token, then 10 ms per token, 32 tokens,
+34 SSE chunks per answer) and four ways to reach it, all running for the whole run:
+
+- `direct`: no proxy (the baseline of added time to first token);
+- `vllm-router`: the Rust router, pinned to core 1;
+- `gateway x1`: `python -m server serve --workers 1`, pinned to core 1;
+- `gateway x2`: `python -m server serve --workers 2`, worker i pinned to core i.
+
+For the pinned paths the engine and the load generator (bench/loadgen.py) run on core 0; for
+`gateway x2` no core is left for them, so they float over both cores and take their share of the
+workers' cores: on this 2-core machine two workers cannot show a clean 2x, and the report says
+how much CPU went to the engine and the load generator in the same window.
+
+Figures per path: added p50 TTFT at 4 streams over direct (interleaved rounds, samples pooled),
+CPU per chunk at 64 streams (the proxy's whole process tree, from /proc), and chunks per second
+at 256, 512 and 768 streams: the ceiling is the highest rate reached, with the proxy's CPU use
+(1.0 = one core busy) to show it was saturated.
+
+Usage: python -m bench.workers_bench --output docs/bench [--duration 8] [--paths ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.loadgen import summarize
+from bench.procs import PYTHON, Processes, Started, free_port, wait_chat_ready
+from bench.proxy_bench import MODEL, engine_stats, git_commit, loadavg, machine
+
+ALL_PATHS = ("direct", "vllm-router", "gateway x1", "gateway x2")
+LATENCY_AT, CPU_AT = 4, 64
+CEILING_AT = (256, 512, 768)
+BOTH_CORES = "0,1"
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                text = Path(f"/proc/{entry.name}/stat").read_text()
+            except OSError:
+                continue
+            if int(text[text.rfind(")") + 2 :].split()[1]) == pid:
+                out.append(int(entry.name))
+    return sorted(out)
+
+
+def pin(pid: int, cores: str) -> None:
+    """Every thread of `pid` on `cores` (a taskset list)."""
+    subprocess.run(["taskset", "-a", "-p", "-c", cores, str(pid)], check=True, capture_output=True)
+
+
+def start_paths(procs: Processes, engine_url: str, paths: list[str]) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for path in paths:
+        info: dict = {"url": None, "process": None, "command": "", "error": None, "cores": "0"}
+        out[path] = info
+        if path == "direct":
+            info.update(url=engine_url, command="(no proxy)")
+            continue
+        port = free_port()
+        if path == "vllm-router":
+            argv = [
+                str(Path(PYTHON).with_name("vllm-router")), "--port", str(port), "--worker-urls", engine_url,
+                "--policy", "round_robin", "--log-level", "warning",
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            ]  # fmt: skip
+            core: str | None = "1"
+        elif path in ("gateway x1", "gateway x2"):
+            workers = path[-1]
+            argv = [PYTHON, "-m", "server", "serve", "--upstream", f"{MODEL}={engine_url}", "--port", str(port),
+                    "--workers", workers]  # fmt: skip
+            core = "1" if workers == "1" else BOTH_CORES
+        else:
+            raise SystemExit(f"unknown path {path!r}; known: {', '.join(ALL_PATHS)}")
+        info["command"] = " ".join(argv)
+        try:
+            started = procs.start(path.replace(" ", "-"), ["taskset", "-c", core, *argv], core=None)
+        except OSError as exc:
+            info["error"] = str(exc)
+            continue
+        info.update(url=f"http://127.0.0.1:{port}", process=started, cores="0" if core == "1" else BOTH_CORES)
+    for path, info in out.items():
+        if info["process"] is not None:
+            info["error"] = wait_chat_ready(info["process"], info["url"], MODEL, timeout=120)
+            if info["error"]:
+                print(f"!! {path} is not available: {info['error']}", file=sys.stderr)
+            elif path == "gateway x2":
+                workers = _children(info["process"].pid)
+                for core, worker in enumerate(workers):
+                    pin(worker, str(core % 2))
+                info["workers"] = workers
+    return out
+
+
+def run_window(
+    procs: Processes, engine: Started, info: dict, concurrency: int, duration: float, warmup: float, samples: bool
+) -> dict:
+    """One load-generator window against one path; the engine and the load generator on `info["cores"]`."""
+    pin(engine.pid, info["cores"])
+    cpu = {"engine": engine.pid, **({"proxy": info["process"].pid} if info["process"] is not None else {})}
+    argv = [
+        "taskset", "-c", info["cores"], PYTHON, "-m", "bench.loadgen", "--url", info["url"], "--model", MODEL,
+        "--concurrency", str(concurrency), "--duration", str(duration), "--warmup", str(warmup),
+        *[arg for name, pid in cpu.items() for arg in ("--cpu", f"{name}={pid}")],
+        *(["--samples"] if samples else []),
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=duration + warmup + 120)
+    if done.returncode != 0:
+        raise RuntimeError(f"load generator failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout)
+
+
+def figures(results: dict[str, dict[int, dict]], path: str) -> dict:
+    mine, direct = results[path], results.get("direct", {})
+    out: dict = {}
+    ttft = mine.get(LATENCY_AT, {}).get("ttft_ms", {}).get("p50")
+    base = direct.get(LATENCY_AT, {}).get("ttft_ms", {}).get("p50")
+    out["added_ttft_ms_at_4"] = None if ttft is None or base is None or path == "direct" else ttft - base
+    at = mine.get(CPU_AT)
+    out["cpu_us_per_chunk_at_64"] = (
+        at["cpu_s"]["proxy"] / at["chunks"] * 1e6 if at and "proxy" in at["cpu_s"] and at["chunks"] else None
+    )
+    ceiling = max((mine[c] for c in CEILING_AT if c in mine), key=lambda r: r["chunks_per_s"], default=None)
+    if ceiling is not None:
+        out["ceiling_chunks_per_s"] = ceiling["chunks_per_s"]
+        out["ceiling_at_streams"] = ceiling["concurrency"]
+        out["ceiling_errors"] = ceiling["errors"]
+        window = ceiling["window_s"]
+        out["ceiling_cores_used"] = {name: seconds / window for name, seconds in ceiling["cpu_s"].items()}
+    return out
+
+
+def ratios(fig: dict[str, dict]) -> dict:
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None or b == 0 else a / b
+
+    one, two, router = fig.get("gateway x1", {}), fig.get("gateway x2", {}), fig.get("vllm-router", {})
+    return {
+        "cpu_per_chunk_x1_vs_router": ratio(one.get("cpu_us_per_chunk_at_64"), router.get("cpu_us_per_chunk_at_64")),
+        "cpu_per_chunk_x2_vs_x1": ratio(two.get("cpu_us_per_chunk_at_64"), one.get("cpu_us_per_chunk_at_64")),
+        "ceiling_x2_vs_x1": ratio(two.get("ceiling_chunks_per_s"), one.get("ceiling_chunks_per_s")),
+        "added_ttft_x1_minus_router_ms": _minus(one.get("added_ttft_ms_at_4"), router.get("added_ttft_ms_at_4")),
+        "added_ttft_x2_minus_router_ms": _minus(two.get("added_ttft_ms_at_4"), router.get("added_ttft_ms_at_4")),
+    }
+
+
+def _minus(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def _fmt(value, digits: int = 1, suffix: str = "") -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.{digits}f}{suffix}" if isinstance(value, float) else f"{value}{suffix}"
+
+
+def render_markdown(report: dict) -> str:
+    lines = [
+        "# The gateway on one and on two cores: workers beside vllm-router",
+        "",
+        f"- date: {report['date']}; commit: {report['commit']}",
+        f"- machine: {report['machine']['cpu']}, {report['machine']['cores']} cores, kernel "
+        f"{report['machine']['kernel']}, Python {report['machine']['python']}, vllm-router "
+        f"{report['machine']['vllm_router']}",
+        f"- load average before / after: {report['loadavg_before']} / {report['loadavg_after']} (a shared machine)",
+        "",
+        "## Method",
+        "",
+        (__doc__ or "").split("\n\n", 1)[1].rsplit("\n\nUsage:", 1)[0],
+        "",
+        "## Figures",
+        "",
+        "| path | added p50 TTFT at 4 | CPU per chunk at 64 | ceiling chunks/s (at streams) | "
+        "CPU used at the ceiling, cores: proxy / engine / loadgen | errors at the ceiling |",
+        "|---|---|---|---|---|---|",
+    ]
+    for path, fig in report["figures"].items():
+        used = fig.get("ceiling_cores_used", {})
+        lines.append(
+            f"| {path} | {_fmt(fig.get('added_ttft_ms_at_4'), 2, ' ms')} | "
+            f"{_fmt(fig.get('cpu_us_per_chunk_at_64'), 1, ' us')} | "
+            f"{_fmt(fig.get('ceiling_chunks_per_s'), 0)} ({_fmt(fig.get('ceiling_at_streams'))}) | "
+            f"{_fmt(used.get('proxy'), 2)} / {_fmt(used.get('engine'), 2)} / {_fmt(used.get('loadgen'), 2)} | "
+            f"{_fmt(fig.get('ceiling_errors'))} |"
+        )
+    r = report["ratios"]
+    lines += [
+        "",
+        f"- CPU per chunk, gateway (1 worker) / vllm-router: {_fmt(r['cpu_per_chunk_x1_vs_router'], 2, 'x')} "
+        "(goal <= 1.25x)",
+        f"- added p50 TTFT at 4 streams, gateway minus vllm-router: 1 worker "
+        f"{_fmt(r['added_ttft_x1_minus_router_ms'], 2, ' ms')}, 2 workers "
+        f"{_fmt(r['added_ttft_x2_minus_router_ms'], 2, ' ms')} (goal <= +0.3 ms)",
+        f"- ceiling, 2 workers / 1 worker: {_fmt(r['ceiling_x2_vs_x1'], 2, 'x')} (goal >= 1.8x where the machine "
+        "allows it; here the engine and the load generator share the two cores with the workers)",
+        f"- CPU per chunk, 2 workers / 1 worker: {_fmt(r['cpu_per_chunk_x2_vs_x1'], 2, 'x')} (multiprocess metrics "
+        "files, two event loops)",
+        "",
+        "| path | streams | chunks/s | TTFT p50 / p90 / p99 ms | errors | CPU s proxy / engine / loadgen | window s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for path, phases in report["results"].items():
+        for concurrency, res in sorted(phases.items(), key=lambda item: int(item[0])):
+            ttft, cpu = res["ttft_ms"], res["cpu_s"]
+            lines.append(
+                f"| {path} | {concurrency} | {res['chunks_per_s']:.0f} | {_fmt(ttft['p50'], 2)} / "
+                f"{_fmt(ttft['p90'], 2)} / {_fmt(ttft['p99'], 2)} | {res['errors']} | {_fmt(cpu.get('proxy'), 2)} / "
+                f"{_fmt(cpu.get('engine'), 2)} / {_fmt(cpu.get('loadgen'), 2)} | {res['window_s']:.1f} |"
+            )
+    if report["unavailable"]:
+        missing = report["unavailable"].items()
+        lines += ["", "Not measured: " + "; ".join(f"{p}: {e.splitlines()[0]}" for p, e in missing)]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.workers_bench", description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--output", type=Path, default=Path("docs/bench"))
+    parser.add_argument("--duration", type=float, default=8.0, help="measurement window, seconds")
+    parser.add_argument("--low-duration", type=float, default=12.0, help="window at 4 streams, seconds (pooled)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved windows at 4 streams")
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--paths", default=",".join(ALL_PATHS))
+    args = parser.parse_args(argv)
+    paths = [p for p in args.paths.split(",") if p]
+    if "direct" not in paths:
+        paths.insert(0, "direct")
+    report: dict = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "machine": machine(),
+        "loadavg_before": loadavg(),
+    }
+    with Processes() as procs:
+        engine_port = free_port()
+        engine = procs.start(
+            "standin",
+            [PYTHON, "-m", "tests.standin", "--port", str(engine_port), "--model", MODEL, "--ttft-ms", "20",
+             "--itl-ms", "10", "--tokens", "32", "--max-model-len", "32768"],
+            core=0,
+        )  # fmt: skip
+        engine_url = f"http://127.0.0.1:{engine_port}"
+        if error := wait_chat_ready(engine, engine_url, MODEL):
+            print(f"the stand-in engine did not start: {error}", file=sys.stderr)
+            return 1
+        started = start_paths(procs, engine_url, paths)
+        report["commands"] = {path: info["command"] for path, info in started.items()}
+        report["unavailable"] = {path: info["error"] for path, info in started.items() if info["error"]}
+        live = [path for path in paths if not started[path]["error"]]
+        results: dict[str, dict[int, dict]] = {path: {} for path in live}
+        plan = [(LATENCY_AT, live), (CPU_AT, [p for p in live if p != "direct"])]
+        plan += [(c, [p for p in live if p.startswith("gateway")]) for c in CEILING_AT]
+        for concurrency, measured in plan:
+            rounds = args.rounds if concurrency == LATENCY_AT else 1
+            duration = args.low_duration / rounds if concurrency == LATENCY_AT else args.duration
+            windows: dict[str, list[dict]] = {path: [] for path in measured}
+            for _ in range(rounds):
+                for path in measured:
+                    before = engine_stats(engine_url)["started"]
+                    window = run_window(procs, engine, started[path], concurrency, duration, args.warmup, rounds > 1)
+                    window["engine_started"] = engine_stats(engine_url)["started"] - before
+                    windows[path].append(window)
+            for path in measured:
+                result = summarize(windows[path])
+                result.pop("ttft_samples_ms", None)
+                results[path][concurrency] = result
+                print(
+                    f"{path:>12} {concurrency:>4} streams: {result['chunks_per_s']:7.0f} chunks/s, TTFT p50 "
+                    f"{_fmt(result['ttft_ms']['p50'], 2)} ms, errors {result['errors']}, CPU {result['cpu_s']}",
+                    flush=True,
+                )
+    report["loadavg_after"] = loadavg()
+    report["results"] = results
+    report["figures"] = {path: figures(results, path) for path in live}
+    report["ratios"] = ratios(report["figures"])
+    args.output.mkdir(parents=True, exist_ok=True)
+    (args.output / "workers.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.output / "workers.md").write_text(render_markdown(report))
+    print(render_markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -120,11 +120,11 @@ class GatewaySettings(_Strict):
 def worker_count(workers: int | Literal["auto"] | str) -> int:
     """How many gateway processes `workers` means: a number, or "auto" (one per usable core).
 
-    Raises SettingsError for anything else (the value of --workers or GATEWAY_WORKERS)."""
+    Usable cores: those this process may run on, and no more than a container's CPU limit
+    (cgroup v2 `cpu.max`, rounded up). Raises SettingsError for anything else (the value of
+    --workers or GATEWAY_WORKERS)."""
     if workers == "auto":
-        import os
-
-        return max(1, len(os.sched_getaffinity(0)))
+        return usable_cores()
     try:
         count = int(workers)
     except ValueError:
@@ -132,6 +132,21 @@ def worker_count(workers: int | Literal["auto"] | str) -> int:
     if not 1 <= count <= 256:
         raise SettingsError(f"workers must be between 1 and 256 or 'auto', not {count}")
     return count
+
+
+def usable_cores(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """Cores this process may use: its CPU affinity, capped by a cgroup v2 CPU quota if any."""
+    import math
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
 
 
 def load_settings(path: str | Path) -> GatewaySettings:

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +27,7 @@ import pytest
 from server.config import SettingsError
 from server.deploy import local
 from server.gateway.server import METRICS_DIR_PREFIX, WORKER_HEADER, reserve_port
-from server.gateway.settings import GatewaySettings, worker_count
+from server.gateway.settings import GatewaySettings, usable_cores, worker_count
 from tests.gateway.conftest import chat_body, sse_events
 from tests.support import free_port, wait_for
 
@@ -144,7 +145,7 @@ def sample(text: str, name: str, **labels: str) -> list[float]:
 
 def test_workers_is_a_number_or_auto():
     assert GatewaySettings(workers=3).workers == 3
-    assert worker_count("auto") == len(os.sched_getaffinity(0))
+    assert worker_count("auto") == usable_cores()
     assert worker_count("2") == 2
     for bad in ("0", "x", "300", "-1"):
         with pytest.raises(SettingsError):
@@ -152,6 +153,17 @@ def test_workers_is_a_number_or_auto():
     for bad_setting in (0, "x", 257):
         with pytest.raises(ValueError):
             GatewaySettings(workers=bad_setting)
+
+
+def test_auto_is_capped_by_a_containers_cpu_quota(tmp_path):
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("max 100000\n")
+    assert usable_cores(cpu_max) == len(os.sched_getaffinity(0))
+    cpu_max.write_text("50000 100000\n")  # half a core: one worker
+    assert usable_cores(cpu_max) == 1
+    cpu_max.write_text("6400000 100000\n")  # 64 cores allowed, fewer here
+    assert usable_cores(cpu_max) == len(os.sched_getaffinity(0))
+    assert usable_cores(tmp_path / "absent") == len(os.sched_getaffinity(0))
 
 
 def test_the_flag_beats_the_environment_which_beats_the_config(tmp_path, monkeypatch):
@@ -239,7 +251,8 @@ def test_sigterm_drains_both_workers_and_leaves_no_process(engines, tmp_path):
         wait_for(lambda: not any(alive(pid) for pid in pids), what="the workers to exit")
         log = served.log_text()
         assert "shutting down 2 workers" in log
-        assert not [name for name in os.listdir("/tmp") if name.startswith(f"{METRICS_DIR_PREFIX}{served.process.pid}-")]
+        leftover = f"{METRICS_DIR_PREFIX}{served.process.pid}-"
+        assert not [name for name in os.listdir(tempfile.gettempdir()) if name.startswith(leftover)]
 
 
 def test_a_killed_supervisor_leaves_no_orphan(engines, tmp_path):

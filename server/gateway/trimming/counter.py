@@ -20,8 +20,9 @@ The work per request is bounded: at most `max_calls` new messages are tokenized 
 (the leading instructions first, then the newest messages backwards), and only as far back as a
 message could still be part of a prompt that fits the budget (every message costs at least
 `floor`, half the template's cost of an empty message). Every other new message is estimated
-from its size without a call (the upper bound below) and listed in `unseen`: an estimate too high
-only trims a little more, and a later turn counts the next ones. One request thus makes at most
+from its size without a call and listed in `unseen`: the upper bound below where the message could
+still be sent (an estimate too high only trims a little more), a guess from the tokens per byte of
+the counted messages where it cannot; a later turn counts the next ones. One request thus makes at most
 7 (calibration, once per model) + 2 (a new tool list) + `max_calls` + the verification rounds
 calls, and adds at most `max_calls` entries to the shared cache, so it cannot flush it.
 
@@ -291,19 +292,56 @@ class TokenCounter:
             counts = await asyncio.gather(*(tokenize([m], False) for _, m in batch))
             for (key, _), raw in zip(batch, counts, strict=True):
                 fresh[key] = max(0, raw - calibration.per_call)
-        per_message: list[int] = []
-        unseen: list[Message] = []
-        for key, message in zip(keys, messages, strict=True):
+        known: list[int | None] = []
+        for key in keys:
             value = fresh.pop(key, None)
             if value is not None:
                 self._remember(key, value)  # in the conversation's order: the newest is the most recent
             else:
                 value = self._cache.get(key)
-            if value is None:
-                unseen.append(message)
-                value = upper_bound(message, calibration)
-            per_message.append(value)
+            known.append(value)
+        per_message = self._fill(messages, known, calibration, overhead, budget)
+        unseen = [message for message, value in zip(messages, known, strict=True) if value is None]
         return PromptCount(per_message=per_message, overhead=overhead, unseen=unseen)
+
+    def _fill(
+        self,
+        messages: Sequence[Message],
+        known: list[int | None],
+        calibration: Calibration,
+        overhead: int,
+        budget: int | None,
+    ) -> list[int]:
+        """Counts for every message: `known` where counted, else an estimate from the size.
+
+        A message not counted that could still be part of a prompt within `budget` gets the
+        upper bound (`upper_bound`: trimming must not overflow because of it). One older than
+        that cannot be kept whatever it costs, so it gets a closer guess, from the tokens per byte
+        of the messages counted here: it only moves the dropped-token figures and the watermark
+        replay, and should not inflate them.
+        """
+        floor = max(1, calibration.empty_message // 2)
+        head = leading_instructions(messages)
+        least = overhead + sum(floor if value is None else value for value in known[:head])
+        beyond = head  # messages[head:beyond] cannot be in any prompt within the budget
+        for index in range(len(messages) - 1, head - 1, -1):
+            value = known[index]
+            least += floor if value is None else value
+            if budget is not None and index < len(messages) - 1 and least > budget:
+                beyond = index + 1
+                break
+        counted = [(message, value) for message, value in zip(messages, known, strict=True) if value is not None]
+        counted_bytes = sum(_payload_bytes(message) for message, _ in counted)
+        per_byte = sum(value for _, value in counted) / counted_bytes if counted_bytes else None
+        out: list[int] = []
+        for index, (message, value) in enumerate(zip(messages, known, strict=True)):
+            if value is None:
+                if head <= index < beyond and per_byte is not None:
+                    value = max(floor, round(_payload_bytes(message) * per_byte))
+                else:
+                    value = upper_bound(message, calibration)
+            out.append(value)
+        return out
 
     def _choose(
         self,

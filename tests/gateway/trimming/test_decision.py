@@ -42,7 +42,14 @@ def _messages(turns: int) -> list[dict]:
 
 
 def test_outcomes_are_an_enum_with_the_header_values():
-    assert [o.value for o in Outcome] == ["kept", "trimmed", "unavailable", "rejected", "no-budget", "previous-response"]
+    assert [o.value for o in Outcome] == [
+        "kept",
+        "trimmed",
+        "unavailable",
+        "rejected",
+        "no-budget",
+        "previous-response",
+    ]
     assert TrimOutcome(Outcome.NO_BUDGET).response_headers() == [(b"x-trim-status", b"no-budget")]
     assert TrimOutcome(Outcome.UNAVAILABLE).response_headers() == [(b"x-trim-status", b"unavailable")]
     assert TrimOutcome(Outcome.TRIMMED, 3, 40, 90).response_headers() == [

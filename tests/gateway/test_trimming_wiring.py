@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-import httpx
+import contextlib
+from collections.abc import Iterator
 
+import httpx
+from prometheus_client import CollectorRegistry
+
+from server.deploy.plan import plan_deployment
 from server.engine.profiles import TrimmingConfig
-from tests.gateway.conftest import fast_settings
+from server.gateway.app import create_app
+from tests.gateway.conftest import Gateway, fast_settings
+from tests.gateway.trimming.responses_engine import ResponsesStandin, responses_conversation
+from tests.support import serve_in_thread
 
 
 def long_chat(turns: int) -> list[dict]:
@@ -15,6 +23,15 @@ def long_chat(turns: int) -> list[dict]:
         messages.append({"role": "assistant", "content": "answer " * 20})
     messages.append({"role": "user", "content": "last question"})
     return messages
+
+
+@contextlib.contextmanager
+def _trimming_gateway(engine_url: str, trimming: TrimmingConfig) -> Iterator[Gateway]:
+    settings = fast_settings({"standin": [engine_url]})
+    settings.models[0].trimming = trimming
+    app = create_app(settings, plan_deployment(settings.models).served_models(), registry=CollectorRegistry())
+    with serve_in_thread(app) as url:
+        yield Gateway(url, app)
 
 
 def test_a_url_model_is_not_trimmed_unless_configured(engines, gateway):
@@ -72,3 +89,59 @@ async def test_tool_definitions_are_sent_to_the_engines_tokenizer(engines):
         assert engine.stats()["last_tokenize"]["body"]["tools"] == tools
         await target.tokenize(messages, True)
         assert "tools" not in engine.stats()["last_tokenize"]["body"]
+
+
+def test_a_responses_conversation_is_trimmed_through_the_gateway():
+    """/v1/responses through the whole gateway: the engine (a stand-in that refuses over-long
+    prompts as vLLM does) gets the instructions, the newest items and whole tool calls, under the
+    gateway's own response id; a follow-up with `previous_response_id` goes untouched."""
+    engine = ResponsesStandin.build(model="standin", max_model_len=1000)
+    with serve_in_thread(engine) as url:
+        items = responses_conversation(40)
+        body = {"model": "standin", "input": items, "instructions": "be brief", "max_output_tokens": 100}
+        with _trimming_gateway(url, TrimmingConfig(mode="auto")) as gw:
+            response = httpx.post(f"{gw.url}/v1/responses", json=body, timeout=30)
+            assert response.status_code == 200, response.text
+            assert response.headers["x-trim-status"] == "trimmed"
+            sent = engine.responses[-1]
+            assert sent["instructions"] == "be brief" and sent["request_id"].startswith("resp_")
+            kept = sent["input"]
+            assert kept[0] == items[0] and kept[-1] == items[-1] and len(kept) < len(items)
+            assert int(response.headers["x-trimmed-messages"]) == len(items) - len(kept)
+            calls = {i["call_id"] for i in kept if i.get("type") == "function_call"}
+            assert calls == {i["call_id"] for i in kept if i.get("type") == "function_call_output"}
+            assert response.json()["usage"]["input_tokens"] <= 900
+            assert 'gateway_trimmed_messages_total{model="standin"}' in httpx.get(f"{gw.url}/metrics").text
+
+            follow_up = {**body, "previous_response_id": response.json()["id"]}
+            again = httpx.post(f"{gw.url}/v1/responses", json=follow_up, timeout=30)
+            assert again.headers["x-trim-status"] == "previous-response"
+            assert engine.responses[-1]["input"] == items  # untouched: the engine refuses it itself
+            assert again.status_code == 400
+
+
+def test_twenty_thousand_new_messages_cost_a_bounded_number_of_tokenize_calls(engines, gateway):
+    """Issue 15: one request of 20,000 messages made 20,008 /tokenize calls and churned the shared
+    count cache. Now it makes at most calibration + TokenCounter.max_calls + verification calls,
+    still answers with a trimmed prompt that fits, and earlier conversations stay cached."""
+    (engine,) = engines(1, max_model_len=4096)
+    settings = fast_settings({"standin": [engine.url]})
+    settings.models[0].trimming = TrimmingConfig(mode="auto", default_max_tokens=16)
+    gw = gateway(settings)
+    (step,) = gw.app.steps
+    earlier = long_chat(10)
+    first = httpx.post(f"{gw.url}/v1/chat/completions", timeout=30, json={"model": "standin", "messages": earlier})
+    assert first.status_code == 200, first.text
+    before = engine.stats()["tokenize_calls"]
+    flood = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(20_001)]
+    response = httpx.post(
+        f"{gw.url}/v1/chat/completions", timeout=120, json={"model": "standin", "messages": flood, "max_tokens": 16}
+    )
+    assert response.status_code == 200, response.text
+    assert response.headers["x-trim-status"] == "trimmed"
+    calls = engine.stats()["tokenize_calls"] - before
+    assert calls <= step.counter.max_calls + 3  # + the verification rounds (calibrated already)
+    sent = engine.stats()["last_request"]["body"]["messages"]
+    assert sent[-1] == flood[-1] and response.json()["usage"]["prompt_tokens"] <= 4096 - 16
+    quick = step.counter.estimate_cached("standin", earlier)
+    assert quick is not None and quick.unseen == []  # still cached: not flushed

@@ -24,6 +24,7 @@ class Limits:
 
     p99_loop_lag_ms: float = 5.0  # a lagging loop times every chunk late by about as much
     rate_shortfall: float = 0.05  # open loop: achieved send rate below target by more than this
+    run_queue_wait_share: float = 0.10  # the generator was ready to run but had no CPU this often
 
 
 class LoopLagMonitor:
@@ -69,9 +70,10 @@ def lag_summary(lags_s: Sequence[float]) -> dict:
 def saturation(summary: dict, *, target_rate: float | None = None, limits: Limits = Limits()) -> list[str]:
     """Warnings when a run went past what the generator times exactly (empty when fine).
 
-    `summary` holds `p99_loop_lag_ms` and, for open-loop runs, `achieved_rate` (session
-    starts per second); pass `target_rate` only for open-loop runs without a concurrency
-    ceiling (a ceiling slows the starts on purpose).
+    `summary` holds `p99_loop_lag_ms`, `generator_run_queue_wait_share` (the share of the
+    run the generator was ready to run but other processes held the CPU; `process_stats`) and,
+    for open-loop runs, `achieved_rate` (session starts per second); pass `target_rate` only
+    for open-loop runs without a concurrency ceiling (a ceiling slows the starts on purpose).
     """
     warnings = []
     lag = summary.get("p99_loop_lag_ms")
@@ -81,6 +83,13 @@ def saturation(summary: dict, *, target_rate: float | None = None, limits: Limit
             f"(limit {limits.p99_loop_lag_ms:g} ms; too much load for one process, or a busy "
             f"machine), so its latencies include its own delays; lower the concurrency or "
             f"rate, or run it where it gets a core of its own"
+        )
+    waited = summary.get("generator_run_queue_wait_share")
+    if waited is not None and not math.isnan(waited) and waited > limits.run_queue_wait_share:
+        warnings.append(
+            f"the machine was busy: the load generator waited for a CPU {waited:.0%} of the run "
+            f"(limit {limits.run_queue_wait_share:.0%}), so other processes' work shows up in its "
+            f"latencies; give it a core of its own (taskset, nice) or run when the machine is quiet"
         )
     achieved = summary.get("achieved_rate")
     if (

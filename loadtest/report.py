@@ -39,6 +39,7 @@ class RunOutcome:
         summary = summarize(result.measured, slos=slos)
         summary["engine"] = result.engine
         summary.update(result.loop_lag)
+        summary.update(result.process)
         shape = result.shape
         summary["target_rate"] = shape.rate
         summary["generator_warnings"] = saturation(
@@ -131,6 +132,8 @@ TABLE_ROWS = (
     ("achieved_rate", "achieved rate (session starts/s)", 2),
     ("p99_loop_lag_ms", "load generator event-loop lag p99 (ms)", 2),
     ("max_loop_lag_ms", "load generator event-loop lag max (ms)", 2),
+    ("generator_run_queue_wait_share", "load generator waiting for a CPU (share of the run)", 3),
+    ("gc_pause_max_ms", "load generator's longest GC pause (ms)", 2),
     ("cached_token_ratio", "cached share of prompt tokens (usage, 0..1)", 3),
     ("median_added_ttft_ms", "load tester's own added TTFT median (ms, vs engine timings)", 2),
     ("p99_added_ttft_ms", "load tester's own added TTFT p99 (ms, vs engine timings)", 2),

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from loadtest.client import ChatClient
 from loadtest.engine_probe import EngineProbe, counter_deltas, during
 from loadtest.loop_lag import LoopLagMonitor
+from loadtest.process_stats import GCPauses, ProcessSample, frozen_gc
 from loadtest.records import RequestRecord
 from loadtest.scenarios import Session
 from loadtest.schedule import arrival_times
@@ -93,6 +94,7 @@ class RunResult:
     wall_s: float
     engine: dict = field(default_factory=dict)  # counter deltas from --metrics-url
     loop_lag: dict = field(default_factory=dict)  # the generator's own event-loop lag
+    process: dict = field(default_factory=dict)  # the generator's CPU, run-queue wait, GC pauses
     origin: float = 0.0  # the run's start on the runner's clock (time.perf_counter())
 
     @property
@@ -115,6 +117,9 @@ class Runner:
     With `paired_with`, every turn is sent to both targets back to back by the same simulated
     user (each target keeps its own conversation history; the order alternates per session),
     so slow drifts of a shared, noisy machine hit both alike: a paired A/B.
+
+    The garbage collector is frozen during the run (`process_stats.frozen_gc`; `freeze_gc=False`
+    keeps the interpreter's default, for `loadtest.selfcheck`'s before/after).
     """
 
     def __init__(
@@ -132,6 +137,7 @@ class Runner:
         probe: EngineProbe | None = None,
         paired_with: Target | None = None,
         on_record: Callable[[RequestRecord], None] | None = None,
+        freeze_gc: bool = True,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._targets = [Target(target, client, probe)] + ([paired_with] if paired_with else [])
@@ -143,6 +149,7 @@ class Runner:
         self._end_session_on_error = end_session_on_error
         self._seed = seed
         self._on_record = on_record
+        self._freeze_gc = freeze_gc
         self._clock = clock
         self._records: list[RequestRecord] = []
         self._issued = 0
@@ -161,29 +168,33 @@ class Runner:
         """Run; one result per target."""
         probes = [t.probe for t in self._targets]
         before = [await p.scrape() if p else None for p in probes]
-        self._origin = self._clock()
-        monitor = LoopLagMonitor(clock=self._clock)
-        monitor.start()
-        try:
-            for probe in probes:
-                if probe:
-                    probe.start_sampling(self._origin)
-            if self._shape.rate is None:
-                workers = [asyncio.create_task(self._user()) for _ in range(self._shape.concurrency)]
-                await _gather_all(workers)
-            else:
-                if self._shape.concurrency:
-                    self._ceiling = asyncio.Semaphore(self._shape.concurrency)
-                await self._open_loop()
-            wall = self._clock() - self._origin
-        finally:
-            loop_lag = await monitor.stop()
+        with frozen_gc(self._freeze_gc):
+            self._origin = self._clock()
+            monitor, pauses, started = LoopLagMonitor(clock=self._clock), GCPauses(), ProcessSample.take()
+            monitor.start()
+            pauses.start()
+            try:
+                for probe in probes:
+                    if probe:
+                        probe.start_sampling(self._origin)
+                if self._shape.rate is None:
+                    workers = [asyncio.create_task(self._user()) for _ in range(self._shape.concurrency)]
+                    await _gather_all(workers)
+                else:
+                    if self._shape.concurrency:
+                        self._ceiling = asyncio.Semaphore(self._shape.concurrency)
+                    await self._open_loop()
+                wall = self._clock() - self._origin
+            finally:
+                loop_lag = await monitor.stop()
+                process = {f"generator_{k}": v for k, v in ProcessSample.take().since(started).items()}
+                process.update(pauses.stop())
         results = []
         for target, start in zip(self._targets, before):
             records = sorted((r for r in self._records if r.target == target.label), key=lambda r: r.sent_s)
             engine = await self._engine_summary(target.probe, start, records)
             results.append(
-                RunResult(target.label, self._run, self._shape, records, wall, engine, loop_lag, self._origin)
+                RunResult(target.label, self._run, self._shape, records, wall, engine, loop_lag, process, self._origin)
             )
         return results
 

@@ -32,27 +32,34 @@ from loadtest.client import HTTP_CLIENTS, ChatClient, make_transport
 from loadtest.loop_lag import saturation
 from loadtest.metrics import describe, percentile
 from loadtest.overhead import fetch_engine_timings, overhead_summary
+from loadtest.process_stats import ProcessSample
 from loadtest.runner import LoadShape, Runner, StopRule
 
+GC_MODES = ("frozen", "default")
 CLIENT_NAMES = {"raw": "loadtest.transport (asyncio + httptools)", "httpx": "httpx AsyncClient (httpcore pool)"}
 
 
-async def _one_run(args, kind: str, shape: LoadShape, stop: StopRule, control: httpx.AsyncClient) -> dict:
+async def _one_run(args, config: tuple[str, str], shape: LoadShape, stop: StopRule, control) -> dict:
+    kind, gc_mode = config
     base = args.url.rstrip("/")
     (await control.delete(f"{base}/_standin/timings")).raise_for_status()
     pool = shape.concurrency or 4096
     cpu_before = resource.getrusage(resource.RUSAGE_SELF)
+    server_before = ProcessSample.take(args.server_pid) if args.server_pid else None
     async with make_transport(kind, max_connections=pool, timeout_s=args.timeout) as http:
         client = ChatClient(base, http=http, model=args.model, timeout_s=args.timeout)
         sessions = scenarios.random_prompts(args.seed, input_chars=args.input_chars, max_tokens=args.max_tokens)
-        result = await Runner(client, sessions, shape, stop, run=shape.label).run()
+        runner = Runner(client, sessions, shape, stop, run=shape.label, freeze_gc=gc_mode == "frozen")
+        result = await runner.run()
     cpu_after = resource.getrusage(resource.RUSAGE_SELF)
+    server = ProcessSample.take(args.server_pid).since(server_before) if server_before else {}
     cpu_s = (cpu_after.ru_utime + cpu_after.ru_stime) - (cpu_before.ru_utime + cpu_before.ru_stime)
     engine = await fetch_engine_timings(f"{base}/_standin/timings", control)
     measured = result.measured
     ok = [r for r in measured if r.ok]
     row = {
         "client": kind,
+        "gc": gc_mode,
         "load": shape.to_json(),
         "requests": len(measured),
         "failed": len(measured) - len(ok),
@@ -61,23 +68,29 @@ async def _one_run(args, kind: str, shape: LoadShape, stop: StopRule, control: h
     row["client_cpu_s"] = cpu_s
     row["client_cpu_per_request_ms"] = cpu_s / len(result.records) * 1000
     row["client_cpu_share"] = cpu_s / result.wall_s
+    row["client_run_queue_wait_share"] = result.process.get("generator_run_queue_wait_share")
+    row.update({k: v for k, v in result.process.items() if k.startswith("gc_")})
+    row["server_cpu_share"] = server.get("cpu_share")
+    row["server_run_queue_wait_share"] = server.get("run_queue_wait_share")
+    engine_ttfts = [t["ttft_s"] for r in ok if (t := engine.get(r.request_id)) and t.get("ttft_s")]
+    row["median_engine_ttft_ms"] = percentile(engine_ttfts, 50) * 1000
+    row["p99_engine_ttft_ms"] = percentile(engine_ttfts, 99) * 1000
     ttft = describe([r.ttft_s for r in ok if r.ttft_s is not None])
     row["median_ttft_ms"] = ttft.get("median", math.nan) * 1000
-    row["median_engine_ttft_ms"] = (
-        percentile([t["ttft_s"] for r in ok if (t := engine.get(r.request_id)) and t.get("ttft_s")], 50) * 1000
-    )
     sent = sorted(r.sent_s for r in measured)
     span = sent[-1] - sent[0] if len(sent) > 1 else math.nan
     row["send_rate"] = (len(sent) - 1) / span if span and span > 0 else math.nan
-    row["warnings"] = saturation({**result.loop_lag, "achieved_rate": row["send_rate"]}, target_rate=shape.rate)
+    row["warnings"] = saturation(
+        {**result.loop_lag, **result.process, "achieved_rate": row["send_rate"]}, target_rate=shape.rate
+    )
     row["p99_lateness_ms"] = percentile([r.lateness_s for r in measured], 99) * 1000
-    row["loop_lag"] = getattr(result, "loop_lag", None)
+    row["loop_lag"] = result.loop_lag
     return row
 
 
 async def run(args) -> list[dict]:
-    """Every load level with every client, the clients back to back per level (alternating
-    which goes first), so that a shared machine's drifts hit them alike."""
+    """Every load level with every client configuration (HTTP client x GC mode), back to back
+    per level (alternating which goes first), so that a shared machine's drifts hit them alike."""
     levels = []
     for concurrency in args.concurrency:
         count = max(args.min_requests, args.requests_per_stream * concurrency)
@@ -90,9 +103,9 @@ async def run(args) -> list[dict]:
     rows = []
     async with httpx.AsyncClient(trust_env=False) as control:
         for index, (shape, stop) in enumerate(levels):
-            clients = args.http_client if index % 2 == 0 else args.http_client[::-1]
-            for kind in clients:
-                rows.append(await _one_run(args, kind, shape, stop, control))
+            configs = [(kind, gc_mode) for kind in args.http_client for gc_mode in args.gc]
+            for config in configs if index % 2 == 0 else configs[::-1]:
+                rows.append(await _one_run(args, config, shape, stop, control))
                 _print(rows[-1])
     return rows
 
@@ -100,13 +113,17 @@ async def run(args) -> list[dict]:
 def _print(row: dict) -> None:
     load = row["load"]
     print(
-        f"{row['client']:>5} {load['label']:>28}: {row['requests']} req, failed {row['failed']}, added TTFT "
+        f"{row['client']:>5} {row['gc']:>7} GC {load['label']:>28}: {row['requests']} req, "
+        f"failed {row['failed']}, added TTFT "
         f"p50 {row['median_added_ttft_ms']:.2f} ms p99 {row['p99_added_ttft_ms']:.2f} ms, "
         f"send rate {row['send_rate']:.1f}/s; legs p50 send "
         f"{row.get('median_send_leg_ms', math.nan):.2f} receive "
         f"{row.get('median_receive_leg_ms', math.nan):.2f} ms; loop lag p99 "
         f"{(row.get('loop_lag') or {}).get('p99_loop_lag_ms', math.nan):.1f} ms; CPU "
-        f"{row['client_cpu_share']:.2f} core",
+        f"{row['client_cpu_share']:.2f} core, waited {_fmt(row['client_run_queue_wait_share'])}; GC "
+        f"{row['gc_collections']} ({row['gc_full_collections']} full) max {row['gc_pause_max_ms']:.1f} ms; "
+        f"engine TTFT p99 {row['p99_engine_ttft_ms']:.1f} ms, server CPU {_fmt(row['server_cpu_share'])} "
+        f"waited {_fmt(row['server_run_queue_wait_share'])}",
         flush=True,
     )
 
@@ -145,46 +162,53 @@ def markdown(document: dict) -> str:
         ]
         lines += [
             (
-                "| client | streams | requests | failed | TTFT p50 (ms) | engine TTFT p50 (ms) | "
+                "| client | GC | streams | requests | failed | TTFT p50 (ms) | engine TTFT p50 / p99 (ms) | "
                 "**added TTFT p50 (ms)** | **added TTFT p99 (ms)** | send leg p50 / p99 | "
                 "receive leg p50 / p99 | added E2E p50 (ms) | loop lag p99 (ms) | "
-                "client CPU per request (ms) | client CPU share of a core |"
+                "client CPU per request (ms) | client CPU share of a core | client waiting for a CPU | "
+                "longest GC pause (ms) | stand-in CPU / waiting |"
             ),
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for row in entry["rows"]:
             if row["load"]["rate"] is not None:
                 continue
             lag = (row.get("loop_lag") or {}).get("p99_loop_lag_ms")
             lines.append(
-                f"| {row['client']} | {row['load']['concurrency']} | {row['requests']} | "
-                f"{row['failed']} | "
-                f"{_fmt(row['median_ttft_ms'])} | {_fmt(row['median_engine_ttft_ms'])} | "
+                f"| {row['client']} | {row.get('gc', 'default')} | {row['load']['concurrency']} | "
+                f"{row['requests']} | {row['failed']} | "
+                f"{_fmt(row['median_ttft_ms'])} | {_fmt(row['median_engine_ttft_ms'])} / "
+                f"{_fmt(row.get('p99_engine_ttft_ms'))} | "
                 f"**{_fmt(row['median_added_ttft_ms'])}** | **{_fmt(row['p99_added_ttft_ms'])}** "
                 f"| {_fmt(row.get('median_send_leg_ms'))} / {_fmt(row.get('p99_send_leg_ms'))} "
                 f"| {_fmt(row.get('median_receive_leg_ms'))} / "
                 f"{_fmt(row.get('p99_receive_leg_ms'))} "
                 f"| {_fmt(row['median_added_e2el_ms'])} | {_fmt(lag)} "
                 f"| {_fmt(row.get('client_cpu_per_request_ms'), 3)} "
-                f"| {_fmt(row.get('client_cpu_share'), 2)} |"
+                f"| {_fmt(row.get('client_cpu_share'), 2)} | {_fmt(row.get('client_run_queue_wait_share'))} "
+                f"| {_fmt(row.get('gc_pause_max_ms'))} "
+                f"| {_fmt(row.get('server_cpu_share'))} / {_fmt(row.get('server_run_queue_wait_share'))} |"
             )
         rates = [row for row in entry["rows"] if row["load"]["rate"] is not None]
         if rates:
             lines += [
                 "",
                 (
-                    "| client | target rate (req/s, constant) | requests | achieved send rate | "
+                    "| client | GC | target rate (req/s, constant) | requests | achieved send rate | "
                     "achieved / target | lateness p99 (ms) | added TTFT p50 (ms) | "
-                    "p99 (ms) |"
+                    "p99 (ms) | loop lag p99 (ms) | client waiting for a CPU |"
                 ),
-                "|---|---:|---:|---:|---:|---:|---:|---:|",
+                "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
             ]
             for row in rates:
                 target = row["load"]["rate"]
                 lines.append(
-                    f"| {row['client']} | {target:g} | {row['requests']} | {_fmt(row['send_rate'], 1)} | "
+                    f"| {row['client']} | {row.get('gc', 'default')} | {target:g} | {row['requests']} | "
+                    f"{_fmt(row['send_rate'], 1)} | "
                     f"{_fmt(row['send_rate'] / target, 3)} | {_fmt(row['p99_lateness_ms'])} | "
-                    f"{_fmt(row['median_added_ttft_ms'])} | {_fmt(row['p99_added_ttft_ms'])} |"
+                    f"{_fmt(row['median_added_ttft_ms'])} | {_fmt(row['p99_added_ttft_ms'])} | "
+                    f"{_fmt((row.get('loop_lag') or {}).get('p99_loop_lag_ms'))} | "
+                    f"{_fmt(row.get('client_run_queue_wait_share'))} |"
                 )
         lines.append("")
     return "\n".join(lines)
@@ -195,6 +219,13 @@ def _clients(text: str) -> list[str]:
     if not clients or set(clients) - set(HTTP_CLIENTS):
         raise argparse.ArgumentTypeError(f"HTTP clients are {', '.join(HTTP_CLIENTS)}")
     return clients
+
+
+def _gc_modes(text: str) -> list[str]:
+    modes = [x.strip() for x in text.split(",") if x.strip()]
+    if not modes or set(modes) - set(GC_MODES):
+        raise argparse.ArgumentTypeError(f"GC modes are {', '.join(GC_MODES)}")
+    return modes
 
 
 def _ints(text: str) -> list[int]:
@@ -224,6 +255,15 @@ def main(argv: list[str] | None = None) -> int:
         "--http-client", type=_clients, default=["raw"], help="comma-separated, run back to back per level (raw, httpx)"
     )
     parser.add_argument("--loop", choices=aio.LOOPS, default="auto")
+    parser.add_argument(
+        "--gc",
+        type=_gc_modes,
+        default=["frozen"],
+        help="comma-separated: frozen (the runner's default) and/or default (the interpreter's), back to back",
+    )
+    parser.add_argument(
+        "--server-pid", type=int, help="the stand-in's process id: its CPU and run-queue wait per run (same host)"
+    )
     args = parser.parse_args(argv)
     uptime = os.popen("uptime").read().strip()
     rows = aio.run(run(args), args.loop)

@@ -139,7 +139,7 @@ class TokenCounter:
         concurrency: int = 8,
         verify_margin: int = 8,
         max_background: int = 64,
-        max_calls: int = 64,
+        max_calls: int = 256,
     ) -> None:
         if max_entries < 1 or concurrency < 1 or verify_margin < 0 or max_calls < 1:
             raise ValueError("max_entries, concurrency and max_calls must be >= 1, verify_margin >= 0")

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 from server.engine.profiles import TrimmingConfig
+from server.gateway.trimming.counter import TokenCounter
 from server.gateway.trimming.history import responses_history
 from server.gateway.trimming.step import HistoryTrimming
 from tests.gateway.trimming.harness import StepRouter
@@ -42,14 +43,15 @@ class Stack:
 
 
 @contextlib.contextmanager
-def stack(mode: str = "auto", *, max_model_len: int = 1000, **trimming: Any) -> Iterator[Stack]:
+def stack(mode: str = "auto", *, max_model_len: int = 1000, max_calls: int = 256, **trimming: Any) -> Iterator[Stack]:
     engine = ResponsesStandin.build(model=MODEL, max_model_len=max_model_len)
     target = StandinTarget(TrimmingConfig(mode=mode, **trimming), max_model_len=max_model_len)
 
     async def lookup(model: str) -> StandinTarget | None:
         return target if model == MODEL else None
 
-    with serve_in_thread(StepRouter(HistoryTrimming(lookup=lookup), engine)) as url:
+    step = HistoryTrimming(lookup=lookup, counter=TokenCounter(max_calls=max_calls))
+    with serve_in_thread(StepRouter(step, engine)) as url:
         target.url = url
         yield Stack(url, engine, target)
 
@@ -64,9 +66,7 @@ def test_a_long_responses_conversation_is_trimmed_to_the_budget_keeping_calls_wi
     items = responses_conversation(40)
     body = {"model": MODEL, "input": items, "instructions": "be brief", "max_output_tokens": 100}
     assert prompt_tokens(body) > 900
-    with stack("window") as s:
-        direct = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=10)
-        assert direct.status_code == 200
+    with stack("window", max_calls=64) as s:
         response = s.create(items, instructions="be brief", max_output_tokens=100)
         assert response.status_code == 200, response.text
         sent = s.engine.responses[-1]
@@ -83,8 +83,8 @@ def test_a_long_responses_conversation_is_trimmed_to_the_budget_keeping_calls_wi
         assert response.headers["x-trim-status"] == "trimmed"
         assert int(response.headers["x-trimmed-messages"]) == len(items) - len(kept)  # items
         assert int(response.headers["x-prompt-tokens-estimate"]) == used
-        # 108 items are more new messages than one request counts (TokenCounter.max_calls): the
-        # oldest, which could not be sent anyway, are estimated from their size.
+        # 108 items are more new messages than one request counts here (max_calls=64): the oldest,
+        # which could not be sent anyway, are estimated from their size.
         dropped = prompt_tokens(body) - used
         assert abs(int(response.headers["x-trimmed-tokens"]) - dropped) <= dropped // 10
         # Sent again: the same cut, and no call (those old items cannot be sent: never counted).

@@ -15,6 +15,8 @@
 - `engine_probe`: optional scrapes of a vLLM `/metrics` endpoint (KV-cache usage per request,
   prefix-cache counters around a run).
 - `loop_lag`: the generator's own event-loop lag, and the warnings when it was the bottleneck.
+- `process_stats`: the generator's CPU, run-queue wait (a busy machine) and GC pauses per run;
+  the GC frozen during a run.
 - `overhead`: the load tester's added time, its timings joined with an engine's (pure).
 - `selfcheck`: `python -m loadtest.selfcheck`, that measurement against the stand-in engine.
 - `metrics`: the metric formulas over recorded timings (pure).

@@ -4,14 +4,19 @@ For each closed-loop concurrency it runs short single-turn streams against a ser
 `/_standin/timings` (`python -m tests.standin`), joins every request with the engine's own
 timings (`loadtest.overhead`) and reports the load tester's added TTFT (p50, p99); for each
 open-loop rate (constant arrivals) it reports the achieved send rate against the target.
-Results go to `DIR/overhead.json` (one entry per `--label`, so before/after runs accumulate)
-and `DIR/overhead.md` (the table over every label).
+Every level runs every client configuration back to back (`--http-client raw,httpx` x
+`--gc frozen,default`), so one run compares them under the same machine. Each row also says
+where the time went: the client's CPU, its run-queue wait (ready to run while other processes
+held the CPU), its longest GC pause, and with `--server-pid` the stand-in's CPU and run-queue
+wait (`loadtest.process_stats`). Results go to `DIR/overhead.json` (one entry per `--label`,
+so before/after runs accumulate) and `DIR/overhead.md` (the table over every label).
 
-Pin the two processes to different cores so that they do not measure each other:
+Pin the two processes to different cores so that they do not measure each other (and, on a
+shared machine, see loadtest/results/client-overhead/bench.sh for `chrt`/autogroup nice):
 
     taskset -c 1 python -m tests.standin --port 8200 --ttft-ms 50 --itl-ms 25 --tokens 16 &
     taskset -c 0 python -m loadtest.selfcheck --url http://127.0.0.1:8200 --label after \\
-        --output loadtest/results/client-overhead
+        --server-pid $! --gc default,frozen --output loadtest/results/client-overhead
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import math
 import os
 import platform
 import resource
+import subprocess
 from pathlib import Path
 
 import httpx
@@ -214,6 +220,14 @@ def markdown(document: dict) -> str:
     return "\n".join(lines)
 
 
+def _uptime() -> str:
+    """`uptime`'s line (the load average that the figures were measured under)."""
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+    except OSError:
+        return "-"
+
+
 def _clients(text: str) -> list[str]:
     clients = [x.strip() for x in text.split(",") if x.strip()]
     if not clients or set(clients) - set(HTTP_CLIENTS):
@@ -265,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         "--server-pid", type=int, help="the stand-in's process id: its CPU and run-queue wait per run (same host)"
     )
     args = parser.parse_args(argv)
-    uptime = os.popen("uptime").read().strip()
+    uptime = _uptime()
     rows = aio.run(run(args), args.loop)
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
@@ -276,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
         "command": "python -m loadtest.selfcheck " + " ".join(argv or os.sys.argv[1:]),
         "uptime": uptime,
-        "uptime_after": os.popen("uptime").read().strip(),
+        "uptime_after": _uptime(),
         "clients": {c: CLIENT_NAMES[c] for c in args.http_client},
         "loop": aio.loop_name(args.loop),
         "rows": rows,

@@ -2,11 +2,12 @@
 
 import asyncio
 import math
+import time
 
 import httpx
 import pytest
 
-from loadtest import scenarios
+from loadtest import scenarios, transport
 from loadtest.client import ChatClient, make_transport
 from loadtest.overhead import fetch_engine_timings, join, overhead_summary
 from loadtest.records import RequestRecord
@@ -124,3 +125,25 @@ async def test_a_known_client_side_delay_shows_up_as_added_time_on_the_send_leg(
         assert j.added_ttft_s >= 0.050 and j.send_leg_s >= 0.050
         assert j.engine_ttft_s >= 0.059
     assert summary["median_added_ttft_ms"] >= 50.0
+
+
+async def test_a_known_late_stamp_on_arrival_shows_up_on_the_receive_leg(slow_engine):
+    # every chunk stamped 40 ms late (the transport's clock runs 40 ms ahead of the sender's):
+    # what a client that reads its sockets late would measure
+    def late_clock():
+        return time.perf_counter() + 0.040
+
+    async with transport.HTTPClient(max_connections=4, clock=late_clock) as http, httpx.AsyncClient() as control:
+        (await control.delete(f"{slow_engine}/_standin/timings")).raise_for_status()
+        client = ChatClient(slow_engine, http=http, model="standin", timeout_s=10)
+        sessions = scenarios.random_prompts(0, input_chars=40, max_tokens=4)
+        result = await Runner(client, sessions, LoadShape(concurrency=2), StopRule(num_requests=6)).run()
+        engine = await fetch_engine_timings(f"{slow_engine}/_standin/timings", control)
+    joined = join(result.measured, engine, origin=result.origin)
+    assert len(joined) == 6
+    for j in joined:
+        assert j.receive_leg_s >= 0.040 and j.send_leg_s > 0
+        assert j.added_ttft_s == pytest.approx(j.send_leg_s + j.receive_leg_s)
+        assert j.engine_ttft_s >= 0.059  # the engine's own TTFT is not touched by the client's clock
+    summary = overhead_summary(result.measured, engine, origin=result.origin)
+    assert summary["median_receive_leg_ms"] >= 40.0 and summary["median_added_ttft_ms"] >= 40.0

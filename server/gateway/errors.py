@@ -60,6 +60,7 @@ class GatewayError(Exception):
         if code is not None:
             self.code = code
         self.headers = list(headers)
+        self.model: str | None = None  # the model the refused request named, when it got that far (metrics label)
 
     def envelope(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -138,7 +138,17 @@ def _parse_json(raw: bytes, endpoint: Endpoint, headers: Headers, request_id: st
         raise wrong_type("model", "a string", model)
     if not model:
         raise InvalidRequest("`model` must not be empty.", param="model", code="invalid_value")
+    try:
+        return _checked(body, raw, model, endpoint, headers, request_id)
+    except InvalidRequest as exc:
+        exc.model = model  # refused, but for this model: its metrics label if it is served
+        raise
 
+
+def _checked(
+    body: dict[str, Any], raw: bytes, model: str, endpoint: Endpoint, headers: Headers, request_id: str
+) -> GatewayRequest:
+    """The rest of a JSON body's checks, once its model is known."""
     if endpoint.check is not None:
         endpoint.check(body)
 

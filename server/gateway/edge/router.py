@@ -8,6 +8,8 @@
 Anything else is 404 (unknown path) or 405 (known path, wrong method), in the OpenAI error
 envelope like every other refusal; nothing redirects. Every response carries `x-request-id`.
 An exception nothing else handled becomes one logged line and a 500 envelope, never a traceback.
+Every proxied request is counted and logged once, refusals included: under the served model it
+named (a refusal after its `model` was read, edge.targets.served), else under `_unknown`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from server.gateway.edge.endpoints import BY_PATH, Endpoint, known_path, match
 from server.gateway.edge.ops import OPEN_PATHS, GatewayState, find_route
 from server.gateway.edge.protocol import ABORT_EXTENSION
 from server.gateway.edge.requests import GatewayRequest, parse_request
-from server.gateway.edge.targets import resolve
+from server.gateway.edge.targets import resolve, served
 from server.gateway.errors import (
     ClientDisconnected,
     GatewayError,
@@ -96,15 +98,18 @@ class Gateway:
         headers = scope["headers"]
         rid = request_id_from(headers)
         id_header = [(b"x-request-id", rid.encode())]
+        record = RequestRecord(rid, endpoint.name, perf_counter())
         try:
             if endpoint.fan_out:
                 self._check_admin(headers)
             else:
                 check_api_key(headers, self.keys)
         except GatewayError as exc:
+            # Counted under no model: the body of a client without a valid key is not read.
+            record.status, record.error = exc.status, exc.message
             await send_error(send, exc, id_header)
+            self.reporter.finish(record)
             return
-        record = RequestRecord(rid, endpoint.name, perf_counter())
         request: GatewayRequest | None = None
         try:
             limit = self.max_upload_bytes if endpoint.model_from == "form" else self.max_body_bytes
@@ -132,6 +137,7 @@ class Gateway:
             record.status, record.error = CLIENT_CLOSED, "client disconnected"
         except GatewayError as exc:
             record.error = exc.message
+            self._label(record, exc.model if exc.model is not None else request.model if request else None)
             if record.started:  # cannot happen by construction; say so loudly rather than hang
                 log.error("request %s: %s after the response started", rid, exc.message)
             else:
@@ -141,6 +147,7 @@ class Gateway:
         except Exception:
             log.exception("unexpected error in request %s (POST %s)", rid, endpoint.path)
             record.error = "internal error"
+            self._label(record, request.model if request is not None else None)
             if not record.started:
                 record.status = 500
                 await send_error(
@@ -152,6 +159,12 @@ class Gateway:
             if request is not None:
                 record.trimmed_messages, record.trimmed_tokens = request.trimmed_messages, request.trimmed_tokens
             self.reporter.finish(record)
+
+    def _label(self, record: RequestRecord, named: str | None) -> None:
+        """A request refused before routing is counted under the model it named if that one is served
+        (never under a name nobody serves: the label's values stay the served models and `_unknown`)."""
+        if record.model is None and named and served(self.state.upstreams, named):
+            self.reporter.open(record, named)
 
     def _check_admin(self, headers: list[tuple[bytes, bytes]]) -> None:
         """Admin endpoints (runtime LoRA): the admin key, and refused outright when none is configured."""

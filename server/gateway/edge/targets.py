@@ -74,6 +74,11 @@ def find_pool(pools: EnginePool, model: str) -> tuple[ModelPool, str | None]:
     return pool, model
 
 
+def served(pools: EnginePool, model: str | None) -> bool:
+    """`model` names a served model or a served LoRA adapter (a metrics label may carry it)."""
+    return bool(model) and (model in pools.models or adapters.pool_serving(pools, model or "") is not None)
+
+
 def resolve(pools: EnginePool, request: GatewayRequest) -> ModelPool:
     """The pool `request` goes to; sets `request.pin`, `.adapter` (and `.model` for a stored response)."""
     endpoint = request.endpoint

@@ -15,7 +15,9 @@ from typing import Any, Protocol
 
 log = logging.getLogger("gateway")
 
-UNKNOWN_MODEL = "_unknown"  # the metrics label of requests refused before their model was known
+# The metrics label of requests refused before a served model was known: no model read yet (bad
+# JSON, a failed API key: that body is not read), or a name nobody serves (never a label itself).
+UNKNOWN_MODEL = "_unknown"
 CLIENT_CLOSED = 499  # nginx's code for "the client closed the connection"; logs and metrics only
 # The error of a stream cut because its client stopped reading (logged with CLIENT_CLOSED): a
 # deadline passed while the gateway waited to hand the client a chunk, not while it waited for the

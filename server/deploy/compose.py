@@ -12,12 +12,19 @@ services: `docker/compose.yaml` -> `docker/gateway.yaml` + `docker/prometheus.ym
 A profile with `device: gpu` runs in the official `vllm/vllm-openai` image with NVIDIA GPUs
 reserved; a `device: cpu` profile runs in our vllm-cpu image (docker/Dockerfile.vllm-cpu), which
 carries the tiny model. Each replica is its own service, `engine-<model>-<i>`, so the gateway
-routes across them and Prometheus scrapes each. Models named only by `urls` (engines on other
-hosts) go to the gateway and Prometheus as they are.
+routes across them and Prometheus scrapes each; or, for an entry with a `dns` service name, all
+replicas are one scaled service the gateway finds through Docker's DNS (server.deploy.scaled).
+Models named only by `urls` (engines on other hosts) go to the gateway and Prometheus as they are.
+
+Stopping drains: `docker compose down` (or stop, or a scale-in) sends SIGTERM and waits
+`stop_grace_period` before SIGKILL. The gateway gets its `limits.shutdown_grace` plus a margin;
+each engine runs with vLLM's `--shutdown-timeout` (in-flight requests finish, up to that long)
+and gets that plus a margin. Compose stops the gateway before the engines it depends on.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -33,22 +40,22 @@ from server.deploy.monitoring import (
     render_prometheus,
 )
 from server.deploy.plan import (
-    SERVICE_PORT,
     DeploymentPlan,
     PlannedEngine,
     PlannedModel,
     plan_deployment,
 )
+from server.deploy.scaled import ScaledService, ScaledServiceError, scaled_services
 from server.engine.planner import PlanError, parse_size, plan_profile
 from server.engine.profiles import Profile
 from server.engine.render import engine_argv
+from server.gateway.settings import load_settings
 
 # Images, pinned. The vLLM image tag follows the vLLM release the project is tested with.
 VLLM_GPU_IMAGE = "vllm/vllm-openai:v0.32.0"
 VLLM_CPU_IMAGE = "llm-serving/vllm-cpu:0.32.0"  # built from docker/Dockerfile.vllm-cpu
 GATEWAY_IMAGE = "llm-serving/gateway:0.1.0"  # built from docker/Dockerfile.gateway
 
-ENGINE_PORT = SERVICE_PORT  # inside each engine container
 GATEWAY_PORT = 8000
 # The gateway container sees the checkout's configs/ at /app/configs and its rendered config at
 # /app/docker/gateway.yaml, so the profile paths in that config (../configs/profiles/...) resolve
@@ -74,6 +81,15 @@ MODELS_IN_CONTAINER = "/models"
 # weights; the CPU engine imports vLLM in about a minute on two cores.
 START_PERIOD = {"gpu": "30m", "cpu": "10m"}
 
+# vLLM's own drain (0.32: `--shutdown-timeout` seconds; its default, 0, aborts in-flight requests at
+# SIGTERM): an engine being stopped lets its requests finish for this long, unless its profile sets
+# `shutdown-timeout` itself. The Helm chart's engine pods get the same by default
+# (engineTerminationGraceSeconds 60, minus 10). Docker waits the drain plus STOP_MARGIN_SECONDS
+# before SIGKILL (its own default is 10 s), as it waits the gateway's shutdown_grace plus a margin.
+ENGINE_DRAIN_SECONDS = 50
+STOP_MARGIN_SECONDS = 10
+GATEWAY_STOP_MARGIN_SECONDS = 5
+
 # The one check both engine images can run: python is in both, curl in neither for sure.
 HEALTH_PROBE = "import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/health', timeout=5)"
 
@@ -94,7 +110,7 @@ def check_plan(plan: DeploymentPlan, compose_dir: Path) -> None:
             raise ComposeError(
                 f"{model.profile_path}: the gateway container sees {configs} only; keep the profile under it"
             )
-    if not any(model.urls for model in plan.models):
+    if not any(model.urls or model.entry.dns for model in plan.models):
         raise ComposeError("the config names no model to serve")
 
 
@@ -125,16 +141,27 @@ def _relative(path: Path, start: Path) -> str:
 
 
 def engine_command(engine: PlannedEngine, compose_dir: Path) -> list[str]:
-    """The container's arguments after the image's entrypoint: the one renderer's output."""
+    """The container's arguments after the image's entrypoint: the one renderer's output, and the drain."""
     model, _ = container_model(engine.profile, compose_dir)
-    return engine_argv(
+    argv = engine_argv(
         engine.profile,
         host="0.0.0.0",
-        port=ENGINE_PORT,
+        port=engine.port,
         launcher="image",
         model=model,
         kv_events_port=engine.kv_events_port,
     )
+    if "shutdown-timeout" in engine.profile.vllm:  # rendered by engine_argv already
+        return argv
+    return [*argv, "--shutdown-timeout", str(ENGINE_DRAIN_SECONDS)]
+
+
+def engine_drain_seconds(profile: Profile) -> int:
+    """How long vLLM lets in-flight requests run after SIGTERM: the profile's `shutdown-timeout`, else ours."""
+    value = profile.vllm.get("shutdown-timeout", ENGINE_DRAIN_SECONDS)
+    if isinstance(value, bool) or not isinstance(value, int | str) or not str(value).isdigit():
+        raise ComposeError(f"{profile.name}: vllm.shutdown-timeout must be whole seconds, got {value!r}")
+    return int(value)
 
 
 def gateway_command() -> list[str]:
@@ -156,7 +183,10 @@ def render_gateway_config(plan: DeploymentPlan, config: Path, compose_dir: Path)
             entry["trimming"] = model.entry.trimming.model_dump()
         if model.profile_path is not None:
             entry["profile"] = f"../configs/{model.profile_path.resolve().relative_to(configs).as_posix()}"
-        entry["urls"] = model.urls
+        if model.entry.dns:  # engines found by DNS: a scaled service of this file, or elsewhere
+            entry["dns"] = list(model.entry.dns)
+        else:
+            entry["urls"] = model.urls
         if (planned := planned_kv_tokens(model)) is not None:
             entry["planned_kv_tokens"] = planned
         if model.kv_events:  # precise prefix routing: each engine service's KV-event endpoint
@@ -201,6 +231,7 @@ def _healthcheck(port: int, start_period: str) -> dict[str, Any]:
 
 def engine_service(engine: PlannedEngine, compose_dir: Path) -> dict[str, Any]:
     profile = engine.profile
+    drain = engine_drain_seconds(profile)
     environment: dict[str, str] = {"HF_TOKEN": "${HF_TOKEN:-}", "HF_HOME": HF_HOME, "VLLM_CACHE_ROOT": VLLM_CACHE}
     environment.update(profile.env)
     volumes = [f"{HF_CACHE_VOLUME}:{HF_HOME}", f"vllm-cache:{VLLM_CACHE}"]
@@ -213,13 +244,15 @@ def engine_service(engine: PlannedEngine, compose_dir: Path) -> dict[str, Any]:
     else:
         service["image"] = VLLM_CPU_IMAGE
         service["build"] = {"context": "..", "dockerfile": "docker/Dockerfile.vllm-cpu"}
+        service["pull_policy"] = "build"  # a local image: no registry has it
     service["command"] = engine_command(engine, compose_dir)
     service["environment"] = environment
     service["volumes"] = volumes
     # PyTorch's workers share tensors through /dev/shm; Docker's 64 MB default is far too small.
     service["ipc"] = "host"
     service["restart"] = "unless-stopped"
-    service["healthcheck"] = _healthcheck(ENGINE_PORT, START_PERIOD[profile.device])
+    service["healthcheck"] = _healthcheck(engine.port, START_PERIOD[profile.device])
+    service["stop_grace_period"] = f"{drain + STOP_MARGIN_SECONDS}s"
     if dependency := engine_dependency(engine):
         service["depends_on"] = dependency
     if engine.gpus:
@@ -235,10 +268,20 @@ def engine_service(engine: PlannedEngine, compose_dir: Path) -> dict[str, Any]:
     return service
 
 
-def gateway_service(plan: DeploymentPlan, gateway_file: str) -> dict[str, Any]:
+def scaled_engine_service(scaled: ScaledService, compose_dir: Path) -> dict[str, Any]:
+    """An engine service run `replicas` times behind its one name (server.deploy.scaled)."""
+    service = engine_service(scaled.engine, compose_dir)
+    service["deploy"] = {"replicas": scaled.replicas}
+    return service
+
+
+def gateway_service(
+    plan: DeploymentPlan, gateway_file: str, *, scaled: list[ScaledService], shutdown_grace: float
+) -> dict[str, Any]:
     service: dict[str, Any] = {
         "image": GATEWAY_IMAGE,
         "build": {"context": "..", "dockerfile": "docker/Dockerfile.gateway"},
+        "pull_policy": "build",  # a local image: no registry has it
         "command": gateway_command(),
         # Comma-separated API keys clients must send, passed on only when the host sets it (the
         # gateway refuses to start on a variable that is set but empty).
@@ -249,28 +292,44 @@ def gateway_service(plan: DeploymentPlan, gateway_file: str) -> dict[str, Any]:
         ],
         "ports": [{"target": GATEWAY_PORT, "published": str(GATEWAY_PORT), "host_ip": GATEWAY_BIND}],
         "restart": "unless-stopped",
+        # In-flight streams finish on `docker compose down` (the gateway's drain), then SIGKILL.
+        "stop_grace_period": f"{math.ceil(shutdown_grace) + GATEWAY_STOP_MARGIN_SECONDS}s",
     }
-    if plan.engines:
+    engines = sorted([engine.service for engine in plan.engines] + [s.name for s in scaled])
+    if engines:
         # Started, not healthy: the gateway health-checks its engines itself (/ready), so it and
         # its metrics are up while an engine loads, and one engine that never loads stops nothing.
-        service["depends_on"] = {engine.service: {"condition": "service_started"} for engine in plan.engines}
+        service["depends_on"] = {name: {"condition": "service_started"} for name in engines}
     return service
 
 
 def render_compose(
-    plan: DeploymentPlan, *, project: str, compose_dir: Path, prometheus_file: str, gateway_file: str
+    plan: DeploymentPlan,
+    *,
+    project: str,
+    compose_dir: Path,
+    prometheus_file: str,
+    gateway_file: str,
+    scaled: list[ScaledService],
+    shutdown_grace: float,
 ) -> dict[str, Any]:
-    """The compose file as a mapping (services in start order: engines, gateway, monitoring)."""
+    """The compose file as a mapping: services by name (compose starts them in `depends_on` order)."""
+    engines = [*plan.engines, *(s.engine for s in scaled)]
     services: dict[str, Any] = download_services(
-        plan, image=VLLM_GPU_IMAGE, hf_home=HF_HOME, cache_volume=HF_CACHE_VOLUME
+        engines, image=VLLM_GPU_IMAGE, hf_home=HF_HOME, cache_volume=HF_CACHE_VOLUME
     )
     for engine in plan.engines:
         services[engine.service] = engine_service(engine, compose_dir)
-    services["gateway"] = gateway_service(plan, gateway_file)
+    for service in scaled:
+        if service.name in services:
+            raise ComposeError(f"model {service.engine.model!r}: dns names the service {service.name!r}, taken already")
+        services[service.name] = scaled_engine_service(service, compose_dir)
+    services["gateway"] = gateway_service(plan, gateway_file, scaled=scaled, shutdown_grace=shutdown_grace)
     services.update(monitoring_services(prometheus_file))
     return {
         "name": project,
-        "services": {name: _ordered(service) for name, service in services.items()},
+        # In dclint's order (services-alphabetical-order): the order of a file is not its start order.
+        "services": {name: _ordered(services[name]) for name in sorted(services)},
         "volumes": {
             name: {} for name in ("hf-cache", "vllm-cache", "prometheus-data", "alertmanager-data", "grafana-data")
         },
@@ -278,7 +337,8 @@ def render_compose(
     }
 
 
-# The order dclint (service-keys-order) expects a service's keys in; services stay in start order.
+# The order dclint (service-keys-order) expects a service's keys in: these groups, then any other
+# key in alphabetical order (deploy, ipc, pull_policy, stop_grace_period).
 SERVICE_KEYS = (
     "image",
     "build",
@@ -291,14 +351,12 @@ SERVICE_KEYS = (
     "entrypoint",
     "restart",
     "healthcheck",
-    "deploy",
-    "ipc",
 )
 
 
 def _ordered(service: dict[str, Any]) -> dict[str, Any]:
-    rank = {key: i for i, key in enumerate(SERVICE_KEYS)}
-    return dict(sorted(service.items(), key=lambda item: rank.get(item[0], len(rank))))
+    rank = {key: (i, "") for i, key in enumerate(SERVICE_KEYS)}
+    return dict(sorted(service.items(), key=lambda item: rank.get(item[0], (len(rank), item[0]))))
 
 
 def companions(output: Path) -> tuple[Path, Path]:
@@ -323,18 +381,31 @@ def render_files(models: Sequence[ModelEngines], *, config: Path, output: Path) 
     header = files.header(config, make=make, command="compose")
     if plan.gpu_count:
         header += f"# NVIDIA GPUs needed on this host: {plan.gpu_count}.\n"
+    taken = {engine.service for engine in plan.engines} | {"gateway", *monitoring_services(prometheus_path.name)}
+    try:
+        scaled = scaled_services(plan, taken)
+    except ScaledServiceError as exc:
+        raise ComposeError(str(exc)) from None
     compose = render_compose(
         plan,
         project=project,
         compose_dir=compose_dir,
         prometheus_file=prometheus_path.name,
         gateway_file=gateway_path.name,
+        scaled=scaled,
+        shutdown_grace=load_settings(config).limits.shutdown_grace,
     )
+    prometheus = render_prometheus(plan, gateway=f"gateway:{GATEWAY_PORT}", dns=dns_targets(plan))
     return {
         output: header + files.dump(compose),
         gateway_path: header + files.dump(render_gateway_config(plan, config, compose_dir)),
-        prometheus_path: header + files.dump(render_prometheus(plan, gateway=f"gateway:{GATEWAY_PORT}")),
+        prometheus_path: header + files.dump(prometheus),
     }
+
+
+def dns_targets(plan: DeploymentPlan) -> list[tuple[str, str]]:
+    """(model, dns target) for every `dns` name, scaled services of this file and names elsewhere."""
+    return [(model.name, target) for model in plan.models for target in model.entry.dns]
 
 
 def compose(models: Sequence[ModelEngines], *, config: Path, output: Path | None, check: bool) -> int:

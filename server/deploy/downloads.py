@@ -15,9 +15,10 @@ instead of an engine restarting forever on 401.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
-from server.deploy.plan import DeploymentPlan, PlannedEngine, slug
+from server.deploy.plan import PlannedEngine, slug
 
 # Files vLLM does not load: Meta's original checkpoints (a second copy of the weights, as .pth).
 # One pattern only: huggingface_hub's argparse CLI keeps only the last of repeated `--exclude`s,
@@ -53,10 +54,12 @@ def download_command(engine: PlannedEngine) -> list[str]:
     return argv
 
 
-def download_services(plan: DeploymentPlan, *, image: str, hf_home: str, cache_volume: str) -> dict[str, Any]:
-    """Service name -> the one-shot service, for every hub model the plan's engines serve."""
+def download_services(
+    engines: Iterable[PlannedEngine], *, image: str, hf_home: str, cache_volume: str
+) -> dict[str, Any]:
+    """Service name -> the one-shot service, for every hub model the engines serve."""
     services: dict[str, Any] = {}
-    for engine in plan.engines:
+    for engine in engines:
         if not needs_download(engine):
             continue
         name = download_service_name(engine.profile.model)

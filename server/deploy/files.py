@@ -44,6 +44,17 @@ def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
 _Dumper.add_representer(str, _str)
 
 
+class Quoted(str):
+    """A string written in single quotes, e.g. a port mapping (dclint's require-quotes-in-ports)."""
+
+
+def _quoted(dumper: yaml.SafeDumper, value: Quoted) -> yaml.Node:
+    return dumper.represent_scalar("tag:yaml.org,2002:str", str(value), style="'")
+
+
+_Dumper.add_representer(Quoted, _quoted)
+
+
 def dump(data: object) -> str:
     return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100)
 

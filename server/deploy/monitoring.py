@@ -11,9 +11,13 @@ list and in Alertmanager's own page).
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+from server.config import parse_dns
+from server.deploy.files import Quoted
 from server.deploy.plan import DeploymentPlan
 
 PROMETHEUS_IMAGE = "prom/prometheus:v3.5.0"
@@ -47,7 +51,7 @@ def prometheus_service(prometheus_file: str) -> dict[str, Any]:
             "prometheus-data:/prometheus",
         ],
         # No login on Prometheus: reachable from this host only (ssh -L 9090:localhost:9090).
-        "ports": [f"127.0.0.1:{PROMETHEUS_PORT}:{PROMETHEUS_PORT}"],
+        "ports": [Quoted(f"127.0.0.1:{PROMETHEUS_PORT}:{PROMETHEUS_PORT}")],
         "restart": "unless-stopped",
     }
 
@@ -79,7 +83,7 @@ def alertmanager_service() -> dict[str, Any]:
         "configs": [{"source": "alertmanager", "target": ALERTMANAGER_CONFIG_IN_CONTAINER}],
         "volumes": ["alertmanager-data:/alertmanager"],
         # No login on Alertmanager either: this host only.
-        "ports": [f"127.0.0.1:{ALERTMANAGER_PORT}:{ALERTMANAGER_PORT}"],
+        "ports": [Quoted(f"127.0.0.1:{ALERTMANAGER_PORT}:{ALERTMANAGER_PORT}")],
         "restart": "unless-stopped",
     }
 
@@ -99,7 +103,7 @@ def grafana_service() -> dict[str, Any]:
             "grafana-data:/var/lib/grafana",
         ],
         # On every interface, deliberately: Grafana has its own login (no default password).
-        "ports": [f"0.0.0.0:{GRAFANA_PORT}:{GRAFANA_PORT}"],
+        "ports": [Quoted(f"0.0.0.0:{GRAFANA_PORT}:{GRAFANA_PORT}")],
         "restart": "unless-stopped",
     }
 
@@ -112,11 +116,13 @@ def monitoring_services(prometheus_file: str) -> dict[str, Any]:
     }
 
 
-def render_prometheus(plan: DeploymentPlan, *, gateway: str) -> dict[str, Any]:
+def render_prometheus(plan: DeploymentPlan, *, gateway: str, dns: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
     """Prometheus config: the gateway, and every engine (containers and remote URLs) by model.
 
     An engine by URL is scraped the way its URL says: `https://host/base` -> scheme https,
     /base/metrics (per target, through the `__scheme__` and `__metrics_path__` labels).
+    Engines found by DNS (`dns`: (model, `NAME:PORT` or SRV name)) are found by Prometheus the
+    same way, every resolution (`dns_sd_configs`), and labelled with their model by name.
     """
     upstreams = [(engine.model, engine.url) for engine in plan.engines]
     upstreams += [(model.name, url) for model in plan.models for url in model.remote]
@@ -132,15 +138,42 @@ def render_prometheus(plan: DeploymentPlan, *, gateway: str) -> dict[str, Any]:
         if path != "/metrics":
             labels["__metrics_path__"] = path
         static_configs.append({"targets": targets, "labels": labels})
+    vllm: dict[str, Any] = {"job_name": "vllm"}
+    if static_configs:
+        vllm["static_configs"] = static_configs
+    if dns:
+        vllm.update(dns_discovery(dns))
     return {
         "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": SCRAPE_INTERVAL},
         "rule_files": [RULES_IN_CONTAINER],
         "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"alertmanager:{ALERTMANAGER_PORT}"]}]}]},
         "scrape_configs": [
             {"job_name": "gateway", "static_configs": [{"targets": [gateway]}]},
-            {"job_name": "vllm", "static_configs": static_configs},
+            vllm,
         ],
     }
+
+
+def dns_discovery(dns: Sequence[tuple[str, str]]) -> dict[str, Any]:
+    """`dns_sd_configs` (one per name) and the relabelling that gives each found engine its `model`."""
+    configs: list[dict[str, Any]] = []
+    relabel: list[dict[str, Any]] = []
+    for model, target in dns:
+        name, port = parse_dns(target)
+        name = name.rstrip(".")
+        if port is None:
+            configs.append({"names": [name], "type": "SRV", "refresh_interval": SCRAPE_INTERVAL})
+        else:
+            configs.append({"names": [name], "type": "A", "port": port, "refresh_interval": SCRAPE_INTERVAL})
+        relabel.append(
+            {
+                "source_labels": ["__meta_dns_name"],
+                "regex": re.escape(name),
+                "target_label": "model",
+                "replacement": model,
+            }
+        )
+    return {"dns_sd_configs": configs, "relabel_configs": relabel}
 
 
 def scrape_target(url: str) -> tuple[str, str, str]:

@@ -47,6 +47,13 @@ VARIANTS = [
         DOCKER / "gateway.cpu.yaml",
         DOCKER / "prometheus.cpu.yml",
     ),
+    Variant(  # engines as one scaled service the gateway finds through Docker's DNS
+        "dns",
+        ROOT / "configs/gateway.dns.yaml",
+        DOCKER / "compose.dns.yaml",
+        DOCKER / "gateway.dns.yaml",
+        DOCKER / "prometheus.dns.yml",
+    ),
 ]
 
 

@@ -44,24 +44,78 @@ def test_committed_files_equal_a_fresh_rendering(variant, capsys):
     assert code == 0, capsys.readouterr().err
 
 
+def expected_engine_services(config: Path) -> dict[str, tuple[object, int, int | None]]:
+    """Service name -> (profile, port, replicas of a scaled service or None) that the config asks for.
+
+    An entry with a one-label `dns` name is one service of that name, scaled to the profile's
+    replicas; any other profile entry is one service per replica, `engine-<model>-<i>`, on 8000.
+    """
+    out: dict[str, tuple[object, int, int | None]] = {}
+    for entry in load_settings(config).models:
+        profile = load_profile(profile_path(entry, config))
+        model = entry.name or profile.served_model_name
+        scaled = [target.rsplit(":", 1) for target in entry.dns if "." not in target.rsplit(":", 1)[0]]
+        for name, port in scaled:
+            out[name] = (profile, int(port), profile.replicas)
+        if not entry.dns:
+            for replica in range(profile.replicas):
+                out[f"engine-{re.sub(r'[^a-z0-9]+', '-', model.lower()).strip('-')}-{replica}"] = (profile, 8000, None)
+    return out
+
+
 def test_engine_commands_equal_the_renderer_for_every_profile_and_replica(variant):
     services = variant.compose_data()["services"]
-    settings = load_settings(variant.config)
-    expected_services = set()
-    for entry in settings.models:
-        profile = load_profile(profile_path(entry, variant.config))
-        model = entry.name or profile.served_model_name
-        argv = engine_argv(profile, host="0.0.0.0", port=8000, launcher="image", model=expected_model_argument(profile))
-        for replica in range(profile.replicas):
-            name = f"engine-{re.sub(r'[^a-z0-9]+', '-', model.lower()).strip('-')}-{replica}"
-            expected_services.add(name)
-            service = services[name]
-            assert service["command"] == argv
-            for key, value in profile.env.items():
-                assert service["environment"][key] == value
-            image = compose.VLLM_GPU_IMAGE if profile.device == "gpu" else compose.VLLM_CPU_IMAGE
-            assert service["image"] == image
-    assert {name for name in services if name.startswith("engine-")} == expected_services
+    expected = expected_engine_services(variant.config)
+    assert expected
+    for name, (profile, port, replicas) in expected.items():
+        argv = engine_argv(profile, host="0.0.0.0", port=port, launcher="image", model=expected_model_argument(profile))
+        service = services[name]
+        # vLLM's drain on SIGTERM, after the renderer's flags: in-flight requests finish first.
+        assert service["command"] == [*argv, "--shutdown-timeout", str(compose.ENGINE_DRAIN_SECONDS)]
+        for key, value in profile.env.items():
+            assert service["environment"][key] == value
+        image = compose.VLLM_GPU_IMAGE if profile.device == "gpu" else compose.VLLM_CPU_IMAGE
+        assert service["image"] == image
+        assert service.get("deploy", {}).get("replicas") == replicas
+    assert {name for name in services if name.startswith("engine-")} == set(expected)
+
+
+def test_engines_drain_within_the_grace_docker_gives_them(variant):
+    """`docker compose down`: vLLM's --shutdown-timeout lets requests finish, inside stop_grace_period.
+
+    Docker sends SIGTERM, waits stop_grace_period (10 s when absent), then SIGKILL; the gateway,
+    stopped first (it depends on the engines), gets its own drain (limits.shutdown_grace).
+    """
+    services = variant.compose_data()["services"]
+    engines = {name: s for name, s in services.items() if name.startswith("engine-")}
+    assert engines
+    for name, service in engines.items():
+        drain = int(_flag(service["command"], "--shutdown-timeout", "0"))
+        assert drain > 0, name
+        assert seconds(service["stop_grace_period"]) >= drain + 5, name
+    grace = load_settings(variant.config).limits.shutdown_grace
+    assert seconds(services["gateway"]["stop_grace_period"]) > grace
+    assert set(services["gateway"]["depends_on"]) == set(engines)
+
+
+def seconds(duration: str) -> int:
+    match = re.fullmatch(r"(\d+)s", duration)
+    assert match, duration
+    return int(match.group(1))
+
+
+def test_a_profile_that_sets_its_own_shutdown_timeout_keeps_it(tmp_path):
+    config = write_config(
+        tmp_path,
+        "  - profile: profiles/a.yaml\n",
+        a=GPU_PROFILE.format(n=1, name="a", replicas=1, tp=1) + "  shutdown-timeout: 120\n",
+    )
+    service = yaml.safe_load(render(config, tmp_path / "docker/compose.yaml")[tmp_path / "docker/compose.yaml"])[
+        "services"
+    ]["engine-a-0"]
+    assert service["command"].count("--shutdown-timeout") == 1
+    assert _flag(service["command"], "--shutdown-timeout", "") == "120"
+    assert service["stop_grace_period"] == "130s"
 
 
 def test_the_cpu_image_defaults_are_the_tiny_cpu_profile():
@@ -84,7 +138,7 @@ def test_gpu_engines_reserve_their_own_gpus(variant):
     taken: list[str] = []
     for name, service in services.items():
         if service.get("image") != compose.VLLM_GPU_IMAGE or not name.startswith("engine-"):
-            assert "deploy" not in service, name  # downloads run in the vLLM image, without GPUs
+            assert "resources" not in service.get("deploy", {}), name  # downloads run in the vLLM image, without GPUs
             continue
         devices = service["deploy"]["resources"]["reservations"]["devices"]
         assert [d["driver"] for d in devices] == ["nvidia"]
@@ -119,7 +173,11 @@ def test_engine_services_are_wired_for_a_real_host(variant):
     assert gateway["depends_on"] == {name: {"condition": "service_started"} for name in engines}
     assert gateway["command"][:3] == ["serve", "--config", compose.GATEWAY_CONFIG_IN_CONTAINER]
     assert f"./{variant.gateway.name}:{compose.GATEWAY_CONFIG_IN_CONTAINER}:ro" in gateway["volumes"]
-    upstreams = [(model["name"], url) for model in variant.gateway_data()["models"] for url in model["urls"]]
+    upstreams = [  # by URL, or by the DNS name of a scaled service (one engine per replica)
+        (model["name"], url)
+        for model in variant.gateway_data()["models"]
+        for url in model.get("urls", []) + [f"http://{name}" for name in model.get("dns", [])]
+    ]
     assert sorted(upstreams) == sorted(
         (_flag(s["command"], "--served-model-name", ""), f"http://{name}:8000") for name, s in engines.items()
     )
@@ -267,6 +325,8 @@ def test_the_rendered_gateway_config_loads_with_its_profiles(variant):
     planned = plan_deployment(source.models, config=variant.config).models
     assert [m.name for m in rendered] == [m.name for m in planned]
     for model, expected in zip(rendered, planned):
-        assert model.urls and all(url.startswith("http://engine-") for url in model.urls)
+        engines = model.urls + [f"http://{name}" for name in model.entry.dns]  # by URL or by DNS name
+        assert engines and all(url.startswith("http://engine-") for url in engines)
+        assert model.entry.dns == expected.entry.dns
         assert model.profile is not None and expected.profile is not None
         assert model.profile.source == expected.profile.source

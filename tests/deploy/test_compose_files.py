@@ -158,19 +158,30 @@ def test_every_scrape_target_is_a_service_listening_on_that_port(variant):
     assert set(jobs) == {"gateway", "vllm"}
     seen = set()
     for job in jobs.values():
-        for group in job["static_configs"]:
+        for group in job.get("static_configs", []):
             for target in group["targets"]:
                 host, port = target.rsplit(":", 1)
                 assert host in services, f"{target}: no such compose service"
                 command = services[host]["command"]
                 assert command[command.index("--port") + 1] == port, target
                 seen.add(host)
+        for found in job.get("dns_sd_configs", []):  # a scaled service: every replica's address
+            assert found["type"] == "A"
+            for host in found["names"]:
+                assert host in services, f"{host}: no such compose service"
+                command = services[host]["command"]
+                assert command[command.index("--port") + 1] == str(found["port"]), host
+                seen.add(host)
     engines = {name for name in services if name.startswith("engine-")}
     assert seen == engines | {"gateway"}, "every engine and the gateway are scraped"
-    for group in jobs["vllm"]["static_configs"]:
+    for group in jobs["vllm"].get("static_configs", []):
         for target in group["targets"]:
             command = services[target.rsplit(":", 1)[0]]["command"]
             assert command[command.index("--served-model-name") + 1] == group["labels"]["model"]
+    for rule in jobs["vllm"].get("relabel_configs", []):  # the model label of engines found by DNS
+        command = services[rule["regex"].replace("\\", "")]["command"]
+        assert rule["source_labels"] == ["__meta_dns_name"] and rule["target_label"] == "model"
+        assert command[command.index("--served-model-name") + 1] == rule["replacement"]
 
 
 # -- Grafana ----------------------------------------------------------------------------------------

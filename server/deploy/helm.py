@@ -87,10 +87,12 @@ def engine_values(model: PlannedModel) -> dict[str, Any]:
 
 
 def gateway_model(model: PlannedModel) -> dict[str, Any]:
-    """One `models:` entry of the gateway: its engines' Service (the chart names it) or its URLs."""
+    """One `models:` entry of the gateway: its engines' Service (the chart names it), its DNS names or its URLs."""
     entry: dict[str, Any] = {"name": model.name}
     if model.engines:
         entry["engine"] = slug(model.name)
+    elif model.entry.dns:
+        entry["dns"] = list(model.entry.dns)
     else:
         entry["urls"] = list(model.remote)
     entry["trimming"] = model.trimming.model_dump(exclude_none=True)

@@ -101,6 +101,7 @@ def several_profiles(tmp_path: Path) -> dict[str, Any]:
             f"models:\n  - profile: {profiles / 'chat-fp8.yaml'}\n  - profile: {profiles / 'rag-prefix.yaml'}\n"
             f"  - profile: {profiles / 'long-context.yaml'}\n"
             "  - name: far\n    urls: [http://10.0.0.7:8000]\n    trimming: {mode: strict}\n"
+            "  - name: elsewhere\n    dns: [engines.other.svc:8000]\n"
             "routing:\n  policy: round_robin\nlimits:\n  shutdown_grace: 12.5\n"
         ),
     )
@@ -325,6 +326,8 @@ def test_the_gateway_config_map_is_a_config_the_gateway_loads(case, tmp_path):
             service = f"llm-llm-serving-{model['engine']}"
             assert service in services
             expected.setdefault(model["name"], []).append(f"dns {service}:8000")  # its headless Service
+        elif "dns" in model:  # names of its own, as the config wrote them
+            expected.setdefault(model["name"], []).extend(f"dns {name}" for name in model["dns"])
         else:
             expected.setdefault(model["name"], []).extend(model["urls"])
     served = plan_deployment(settings.models, config=path).served_models()
@@ -518,6 +521,9 @@ def full_valid_values() -> dict[str, Any]:
     values["gateway"].update(rendered["gateway"])
     values["gateway"]["models"].append(
         {"name": "far", "urls": ["http://10.0.0.7:8000"], "trimming": {"mode": "off", "history_budget_tokens": 100}}
+    )
+    values["gateway"]["models"].append(
+        {"name": "elsewhere", "dns": ["engines.other.svc:8000"], "trimming": {"mode": "off"}}
     )
     values["engineResources"] = {"requests": {"cpu": "4"}, "limits": {"memory": "64Gi"}}
     values["nodeSelector"] = {"gpu": "a100"}

@@ -136,9 +136,11 @@ def derived_config(config: Path, directory: Path, name: str, routing: dict[str, 
             model["profile"] = str((config.parent / model["profile"]).resolve())
         if top.get("base_port") is not None:
             model["base_port"] = top["base_port"]
+        if top.get("trimming") is not None:
+            model["trimming"] = {"mode": top["trimming"]}
     if routing is not None:
         data["routing"] = {**data.get("routing", {}), **routing}
-    data.update({k: v for k, v in top.items() if k != "base_port" and v is not None})
+    data.update({k: v for k, v in top.items() if k not in ("base_port", "trimming") and v is not None})
     path = directory / f"gateway-{name}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -455,7 +457,7 @@ def report_markdown(results: list[PhaseResult], meta: dict[str, Any], goals: dic
         f"Command: `{meta['command']}` (gateway code: {meta['gateway_code']})",
         "",
         f"Workload: {meta['workload']}; {meta['requests_per_phase']} requests per policy, "
-        f"{meta['concurrency']} conversations at a time, temperature 0.",
+        f"{meta['concurrency']} conversations at a time, temperature 0, the gateway's trimming {meta['trimming']}.",
         f"Engines: {meta['engines']} ({meta['profile']}).",
         "",
         "| round | policy | requests (failed) | cached share (cached_tokens) | engines' hits/queries | "
@@ -504,6 +506,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="HEAD",
         help="git commit the gateways run (a copy of its server/), or `tree`: the working tree",
     )
+    parser.add_argument(
+        "--trimming",
+        choices=("off", "auto", "window", "strict"),
+        default="off",
+        help="the gateway's history trimming (default off: its /tokenize calls go through the pool too, "
+        "which advances round robin's turn and counts as outstanding; the prompts fit anyway)",
+    )
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="report.md, summary.json, command.txt")
     group = parser.add_argument_group("workload (loadtest.tenants)")
     defaults = Workload()
@@ -533,7 +542,9 @@ async def experiment(args: argparse.Namespace, argv: list[str]) -> int:
     todo = phases(policies, args.weights, args.weights_index)
     workdir = Path(tempfile.mkdtemp(prefix="routing-experiment-"))
     say(f"logs and derived configs in {workdir}")
-    config = derived_config(args.config.resolve(), workdir, "engines", None, base_port=args.base_port)
+    config = derived_config(
+        args.config.resolve(), workdir, "engines", None, base_port=args.base_port, trimming=args.trimming
+    )
     settings = load_settings(config)
     plan = plan_deployment(settings.models, config=config, placement="local")
     served = plan.served_models()
@@ -550,6 +561,7 @@ async def experiment(args: argparse.Namespace, argv: list[str]) -> int:
         "workload": workload.__dict__,
         "requests_per_phase": workload.requests,
         "concurrency": args.concurrency,
+        "trimming": args.trimming,
         "engines": engines,
         "profile": str(plan.models[0].profile_path.relative_to(ROOT)) if plan.models[0].profile_path else None,
         "phases": [p.__dict__ for p in todo],

@@ -77,8 +77,11 @@ def test_weight_variants_run_the_chosen_index_with_the_defaults_overridden():
 
 
 def test_the_derived_config_keeps_the_engines_and_changes_only_routing(tmp_path: Path) -> None:
-    path = derived_config(DEFAULT_CONFIG, tmp_path, "x", {"policy": "round_robin"}, port=9999, base_port=8300)
+    path = derived_config(
+        DEFAULT_CONFIG, tmp_path, "x", {"policy": "round_robin"}, port=9999, base_port=8300, trimming="off"
+    )
     data = yaml.safe_load(path.read_text())
+    assert data["models"][0]["trimming"] == {"mode": "off"}
     profile = Path(data["models"][0]["profile"])
     assert profile.is_absolute() and profile.exists()
     assert data["models"][0]["base_port"] == 8300 and data["port"] == 9999

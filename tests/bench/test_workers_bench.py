@@ -1,0 +1,61 @@
+"""bench/workers_bench.py's arithmetic and report, on made-up windows (no process started)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.workers_bench import figures, ratios, render_markdown
+
+
+def window(concurrency: int, chunks: int, proxy_cpu: float | None, ttft_p50: float = 21.0, errors: int = 0) -> dict:
+    cpu = {"engine": 1.0, "loadgen": 0.5, **({"proxy": proxy_cpu} if proxy_cpu is not None else {})}
+    return {
+        "concurrency": concurrency, "chunks": chunks, "chunks_per_s": chunks / 8.0, "window_s": 8.0,
+        "errors": errors, "ttft_ms": {"p50": ttft_p50, "p90": None, "p99": None}, "cpu_s": cpu,
+        "foreign_cpu_s": 0.4,
+    }  # fmt: skip
+
+
+RESULTS = {
+    "direct": {4: window(4, 1000, None, ttft_p50=20.0)},
+    "vllm-router": {4: window(4, 1000, 0.1, ttft_p50=20.5), 64: window(64, 50_000, 1.5)},
+    "gateway x1": {
+        4: window(4, 1000, 0.2, ttft_p50=20.7), 64: window(64, 50_000, 2.0),
+        256: window(256, 100_000, 8.0), 512: window(512, 90_000, 8.0, errors=3),
+    },
+    "gateway x2": {
+        4: window(4, 1000, 0.3, ttft_p50=21.0), 64: window(64, 50_000, 2.5),
+        256: window(256, 150_000, 12.0), 512: window(512, 180_000, 15.0),
+    },
+}  # fmt: skip
+
+
+def test_figures_take_the_highest_rate_as_the_ceiling_and_chunks_per_proxy_cpu_second():
+    one = figures(RESULTS, "gateway x1")
+    assert one["added_ttft_ms_at_4"] == pytest.approx(0.7)
+    assert one["cpu_us_per_chunk_at_64"] == pytest.approx(40.0)
+    assert one["ceiling_chunks_per_s"] == 100_000 / 8 and one["ceiling_at_streams"] == 256
+    assert one["chunks_per_proxy_core_s"] == pytest.approx(100_000 / 8.0)
+    assert one["ceiling_cores_used"]["proxy"] == pytest.approx(1.0)
+    assert figures(RESULTS, "direct")["added_ttft_ms_at_4"] is None
+
+
+def test_ratios_compare_the_gateway_with_the_router_and_two_workers_with_one():
+    r = ratios({path: figures(RESULTS, path) for path in RESULTS})
+    assert r["cpu_per_chunk_x1_vs_router"] == pytest.approx(40.0 / 30.0)
+    assert r["ceiling_x2_vs_x1"] == pytest.approx(180_000 / 100_000)
+    assert r["added_ttft_x1_minus_router_ms"] == pytest.approx(0.2)
+    assert ratios({})["ceiling_x2_vs_x1"] is None
+
+
+def test_the_report_names_every_path_and_goal():
+    report = {
+        "date": "d", "commit": "c", "loadavg_before": "0", "loadavg_after": "0", "unavailable": {},
+        "machine": {"cpu": "x", "cores": 2, "kernel": "k", "python": "3.11", "vllm_router": "0.1"},
+        "results": RESULTS,
+    }  # fmt: skip
+    report["figures"] = {path: figures(RESULTS, path) for path in RESULTS}
+    report["ratios"] = ratios(report["figures"])
+    text = render_markdown(report)
+    for needle in ("| gateway x2 |", "| vllm-router |", "goal <= 1.25x", "2 workers / 1 worker: 1.80x", "## Method"):
+        assert needle in text

@@ -17,9 +17,10 @@ each message came from, so that a cut between messages becomes a cut between ite
   its output are kept or dropped together like a chat tool call and its result;
 - a ``reasoning`` item is the ``reasoning`` of an assistant message, joined the same way.
 
-An input trimming cannot read the same way (another item type, an item that is not an object,
-encrypted reasoning) is not trimmed: `responses_history` answers None and the request passes
-untouched, for the engine to accept or refuse.
+Text parts (`input_text`, `output_text`) are counted as chat `text` parts, which is how vLLM reads
+them. An input trimming cannot read the same way (another item type, an item that is not an
+object, encrypted reasoning, a message with image, file or audio parts) is not trimmed:
+`responses_history` answers None and the request passes untouched, for the engine to judge.
 """
 
 from __future__ import annotations
@@ -169,7 +170,10 @@ def to_chat(items: Sequence[Any]) -> list[tuple[Message, int]] | None:
                 continue
             out.append(({"role": "assistant", "content": text}, index))
         elif kind in (None, "message") and isinstance(item.get("role"), str):
-            out.append(({"role": item["role"], "content": item.get("content")}, index))
+            content = _chat_content(item.get("content"))
+            if content is None:
+                return None
+            out.append(({"role": item["role"], "content": content}, index))
         else:
             return None  # item references, built-in tool calls, ...: not trimmed
     return out
@@ -186,6 +190,25 @@ def chat_tools(tools: Any) -> list[Any] | None:
             function = {key: tool[key] for key in ("name", "description", "parameters") if key in tool}
             out.append({"type": "function", "function": function})
     return out or None
+
+
+def _chat_content(content: Any) -> str | list[dict[str, Any]] | None:
+    """A message item's content as chat content: text parts (`input_text`, `output_text`) become
+    chat `text` parts, as vLLM's parser reads them (``/tokenize`` refuses the Responses names).
+    None for other parts (images, files, audio): such an input is not trimmed."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return None
+    parts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            return None
+        parts.append({"type": "text", "text": part["text"]})
+    return parts
+
+
+_TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
 
 
 def _tool_call(item: dict[str, Any]) -> dict[str, Any] | None:

@@ -37,7 +37,7 @@ def test_responses_input_reads_as_the_chat_messages_vllm_builds():
     assert history.messages == [
         {"role": "system", "content": "be brief"},
         {"role": "system", "content": "sys"},
-        {"role": "user", "content": [{"type": "input_text", "text": "hi there"}]},
+        {"role": "user", "content": [{"type": "text", "text": "hi there"}]},  # vLLM reads input_text as text
         {
             "role": "assistant",
             "reasoning": "think",
@@ -89,6 +89,8 @@ def test_a_string_input_is_one_user_message():
         {"input": [{"type": "reasoning", "encrypted_content": "opaque", "summary": []}]},
         {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},  # no call_id
         {"input": [{"role": "assistant", "content": []}]},
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AA"}]}]},
+        {"input": [{"role": "user", "content": {"text": "not a list"}}]},
     ],
 )
 def test_an_input_trimming_cannot_read_is_left_alone(body):

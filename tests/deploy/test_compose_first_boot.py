@@ -30,7 +30,7 @@ from server.gateway.settings import load_settings
 
 from .conftest import ROOT, VARIANTS
 from .test_compose import render, write_config
-from .test_compose_files import PASSWORD_ENV, run_compose
+from .test_compose_files import PASSWORD_ENV, docker_compose_binary, run_compose
 
 GPU = VARIANTS[0]
 
@@ -79,6 +79,32 @@ def test_a_gated_model_without_hf_token_fails_at_once_naming_the_model():
     assert result.returncode != 0
     assert "HF_TOKEN" in result.stderr and models[0] in result.stderr
     assert run_compose(GPU.compose, "config", "--quiet", env={**env, "HF_TOKEN": "hf_x"}).returncode == 0
+
+
+def test_compose_reads_docker_env_not_the_repository_roots(tmp_path):
+    """Variables from `docker/.env` (the compose file's folder) count; a `.env` at the root does not."""
+    (tmp_path / "docker").mkdir()
+    compose_file = tmp_path / "docker/compose.yaml"
+    shutil.copy(GPU.compose, compose_file)
+    variables = "GRAFANA_ADMIN_PASSWORD=x\nHF_TOKEN=hf_x\n"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("GRAFANA_", "HF_", "GATEWAY_", "COMPOSE_"))}
+
+    def config() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(  # from the checkout's root, as `make up` runs it
+            [str(docker_compose_binary()), "-f", "docker/compose.yaml", "config", "--quiet"],
+            cwd=tmp_path,
+            env=clean,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    (tmp_path / ".env").write_text(variables)
+    root = config()
+    assert root.returncode != 0 and "HF_TOKEN" in root.stderr
+    (tmp_path / ".env").rename(tmp_path / "docker/.env")
+    assert config().returncode == 0
 
 
 def test_meta_llama_profiles_are_marked_gated():

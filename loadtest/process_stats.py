@@ -69,22 +69,28 @@ class GCPauses:
         self._began: float | None = None
         self.pauses_s: list[float] = []
         self.by_generation = [0, 0, 0]
+        self.longest_by_generation = [0.0, 0.0, 0.0]
 
     def _callback(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._began = self._clock()
         elif self._began is not None:
-            self.pauses_s.append(self._clock() - self._began)
-            self.by_generation[info.get("generation", 0)] += 1
+            pause = self._clock() - self._began
+            generation = info.get("generation", 0)
+            self.pauses_s.append(pause)
+            self.by_generation[generation] += 1
+            self.longest_by_generation[generation] = max(self.longest_by_generation[generation], pause)
             self._began = None
 
     def start(self) -> None:
         self.pauses_s = []
         self.by_generation = [0, 0, 0]
+        self.longest_by_generation = [0.0, 0.0, 0.0]
         gc.callbacks.append(self._callback)
 
     def stop(self) -> dict:
-        """`gc_collections`, `gc_full_collections`, `gc_pause_total_ms`, `gc_pause_max_ms`."""
+        """`gc_collections`, `gc_full_collections`, `gc_pause_total_ms`, `gc_pause_max_ms`, and
+        `gc_pause_max_ms_by_generation` (young, middle, full)."""
         if self._callback in gc.callbacks:
             gc.callbacks.remove(self._callback)
         return {
@@ -92,6 +98,7 @@ class GCPauses:
             "gc_full_collections": self.by_generation[2],
             "gc_pause_total_ms": sum(self.pauses_s) * 1000,
             "gc_pause_max_ms": max(self.pauses_s, default=0.0) * 1000,
+            "gc_pause_max_ms_by_generation": [pause * 1000 for pause in self.longest_by_generation],
         }
 
 

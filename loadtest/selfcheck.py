@@ -127,7 +127,8 @@ def _print(row: dict) -> None:
         f"{row.get('median_receive_leg_ms', math.nan):.2f} ms; loop lag p99 "
         f"{(row.get('loop_lag') or {}).get('p99_loop_lag_ms', math.nan):.1f} ms; CPU "
         f"{row['client_cpu_share']:.2f} core, waited {_fmt(row['client_run_queue_wait_share'])}; GC "
-        f"{row['gc_collections']} ({row['gc_full_collections']} full) max {row['gc_pause_max_ms']:.1f} ms; "
+        f"{row['gc_collections']} ({row['gc_full_collections']} full) max {row['gc_pause_max_ms']:.1f} ms "
+        f"{[round(x, 1) for x in row['gc_pause_max_ms_by_generation']]}; "
         f"engine TTFT p99 {row['p99_engine_ttft_ms']:.1f} ms, server CPU {_fmt(row['server_cpu_share'])} "
         f"waited {_fmt(row['server_run_queue_wait_share'])}",
         flush=True,

@@ -50,6 +50,8 @@ def test_gc_pauses_count_collections_until_stopped():
     assert stats["gc_collections"] >= 2
     assert stats["gc_full_collections"] >= 1
     assert stats["gc_pause_max_ms"] > 0 and stats["gc_pause_total_ms"] >= stats["gc_pause_max_ms"]
+    young, _, full = stats["gc_pause_max_ms_by_generation"]
+    assert full > 0 and young > 0 and max(stats["gc_pause_max_ms_by_generation"]) == stats["gc_pause_max_ms"]
     gc.collect()  # after stop(): not counted any more
     assert pauses.stop()["gc_collections"] == stats["gc_collections"]
 

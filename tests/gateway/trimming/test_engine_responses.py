@@ -103,3 +103,15 @@ def test_a_long_responses_conversation_is_refused_direct_and_answered_trimmed(re
             timeout=30,
         ).json()["count"]
         assert count == used
+
+        # A follow-up continues the stored response: the engine prepends what it stored, which
+        # the gateway cannot see, so the request goes as sent and the header says why.
+        follow = gateway.responses.with_raw_response.create(
+            model=real_engine.model,
+            input="And tomorrow?",
+            previous_response_id=response.id,
+            max_output_tokens=ANSWER_TOKENS,
+        )
+        assert follow.status_code == 200
+        assert follow.headers["x-trim-status"] == "previous-response"
+        assert "x-trimmed-messages" not in follow.headers

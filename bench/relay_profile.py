@@ -1,0 +1,169 @@
+"""Where the gateway's CPU goes per streamed chunk: a py-spy profile of the relay, as a flame graph and a table.
+
+The stand-in engine (20 ms to the first token, 10 ms per token, 32 tokens) and the load generator
+run on core 0, the gateway (`python -m server serve`, one worker) alone on core 1. While 64
+streams run, py-spy samples the gateway twice (raw stacks for the table, then the SVG flame
+graph; idle samples left out). The table puts each sample in the first category met from the
+innermost frame outwards, and turns shares into microseconds per chunk with the gateway's CPU per
+chunk measured by the load generator over the same stretch.
+
+Needs py-spy (`pip install py-spy`) and the right to trace a child process (root, or
+kernel.yama.ptrace_scope 0). Usage: python -m bench.relay_profile --output docs/bench [--seconds 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.procs import PYTHON, Processes, free_port, wait_chat_ready
+
+MODEL = "standin"
+STREAMS = 64
+# A sample belongs to the first of these whose pattern matches any frame of its stack (what the
+# code was doing on behalf of: a JSON encode inside the access log is the access log's)...
+OWNERS = (
+    ("idle worker threads (waiting)", r"_worker \(.*concurrent/futures/thread\.py"),
+    ("access log: JSON line per request (observability.logs, logging)", r"observability/logs\.py|/logging/"),
+    ("request metrics (observability.metrics, prometheus_client)", r"observability/metrics\.py|prometheus_client/"),
+    ("request report (observability.record)", r"observability/record\.py"),
+    ("trimming step (trimming)", r"gateway/trimming/"),
+    ("routing and scoring (engines)", r"gateway/engines/"),
+    ("SSE scanning for usage/tokens (proxy.sse, streams)", r"proxy/sse\.py|proxy/streams\.py"),
+    ("upstream HTTP/1.1 client (proxy.transport)", r"proxy/transport\.py"),
+    ("deadlines (proxy.deadlines)", r"proxy/deadlines\.py"),
+    ("request parsing, auth, routing table (edge)", r"gateway/edge/(?!router)"),
+)
+# ...else to the first of these met from the innermost frame outwards (every request runs under
+# uvicorn's run_asgi: only what uvicorn itself does is uvicorn's).
+LAYERS = (
+    ("client-side HTTP and ASGI send (uvicorn httptools protocol)", r"uvicorn/"),
+    ("JSON (jsonio, json)", r"jsonio\.py|/json/"),
+    ("relay loop and exchange (proxy.exchange, proxy.proxy)", r"proxy/exchange\.py|proxy/proxy\.py|proxy/fanout"),
+    ("ASGI router (edge.router)", r"edge/router\.py"),
+    ("event loop, sockets, C code under uvloop (self time)", r"Runner\.run|uvloop/__init__|runners\.py"),
+)
+
+
+def category(frames: list[str]) -> str:
+    """The category of one sampled stack (frames from the outermost to the innermost)."""
+    for name, pattern in OWNERS:
+        if any(re.search(pattern, frame) for frame in frames):
+            return name
+    for frame in reversed(frames):
+        for name, pattern in LAYERS:
+            if re.search(pattern, frame):
+                return name
+    return "other"
+
+
+def categorize(raw: str) -> tuple[collections.Counter[str], int]:
+    """Samples per category from py-spy's raw (collapsed) output; and the total."""
+    counts: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in raw.splitlines():
+        stack, _, number = line.rpartition(" ")
+        if stack and number.isdigit():
+            total += int(number)
+            counts[category(stack.split(";"))] += int(number)
+    return counts, total
+
+
+def render_markdown(report: dict) -> str:
+    counts, busy, cpu_us = report["categories"], report["busy_samples"], report["cpu_us_per_chunk"]
+    lines = [
+        "# The relay's CPU per chunk, by where it goes (py-spy)",
+        "",
+        f"- date: {report['date']}; commit: {report['commit']}; load average before / after: "
+        f"{report['loadavg_before']} / {report['loadavg_after']} (a shared machine)",
+        f"- {STREAMS} streams for {report['seconds']:g} s; gateway CPU per chunk over that stretch: "
+        f"{cpu_us:.1f} us ({report['chunks']} chunks, {report['gateway_cpu_s']:.2f} CPU s); "
+        f"{busy} busy samples at {report['rate']} Hz",
+        "- flame graph: [relay-flame.svg](relay-flame.svg) (idle time left out)",
+        "",
+        (__doc__ or "").split("\n\n", 1)[1].rsplit("\n\nNeeds py-spy", 1)[0],
+        "",
+        "| where | share of busy samples | us per chunk |",
+        "|---|---|---|",
+    ]
+    for name, count in sorted(counts.items(), key=lambda item: -item[1]):
+        if name.startswith("idle"):
+            continue
+        share = count / busy if busy else 0.0
+        lines.append(f"| {name} | {share * 100:.1f} % | {share * cpu_us:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.proxy_bench import git_commit, loadavg
+
+    parser = argparse.ArgumentParser(prog="python -m bench.relay_profile", description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--output", type=Path, default=Path("docs/bench"))
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    args = parser.parse_args(argv)
+    py_spy = shutil.which("py-spy") or str(Path(PYTHON).with_name("py-spy"))
+    report: dict = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": git_commit(),
+                    "loadavg_before": loadavg(), "seconds": args.seconds, "rate": args.rate}  # fmt: skip
+    args.output.mkdir(parents=True, exist_ok=True)
+    with Processes() as procs:
+        engine_port, port = free_port(), free_port()
+        engine = procs.start(
+            "standin",
+            [PYTHON, "-m", "tests.standin", "--port", str(engine_port), "--model", MODEL, "--ttft-ms", "20",
+             "--itl-ms", "10", "--tokens", "32", "--max-model-len", "32768"],
+            core=0,
+        )  # fmt: skip
+        engine_url = f"http://127.0.0.1:{engine_port}"
+        gateway = procs.start(
+            "gateway", [PYTHON, "-m", "server", "serve", "--upstream", f"{MODEL}={engine_url}", "--port", str(port)],
+            core=1,
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        for started, where in ((engine, engine_url), (gateway, url)):
+            if error := wait_chat_ready(started, where, MODEL, timeout=120):
+                print(f"{started.name} did not start: {error}", file=sys.stderr)
+                return 1
+        warmup = 3.0
+        load = subprocess.Popen(
+            procs.pinned(0, [PYTHON, "-m", "bench.loadgen", "--url", url, "--model", MODEL, "--concurrency",
+                             str(STREAMS), "--duration", str(2 * args.seconds + 1), "--warmup", str(warmup),
+                             "--cpu", f"proxy={gateway.pid}"]),
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        time.sleep(warmup)
+        raw = args.output / "relay-profile.raw.txt"
+        common = ["--pid", str(gateway.pid), "--rate", str(args.rate), "--duration", str(int(args.seconds))]
+        subprocess.run([py_spy, "record", *common, "--format", "raw", "-o", str(raw)], check=True, capture_output=True)
+        svg = args.output / "relay-flame.svg"
+        subprocess.run([py_spy, "record", *common, "--format", "flamegraph", "-o", str(svg)], check=True,
+                       capture_output=True)  # fmt: skip
+        out, _ = load.communicate(timeout=args.seconds * 2 + 120)
+    window = json.loads(out)
+    counts, total = categorize(raw.read_text())
+    raw.unlink()
+    idle = sum(count for name, count in counts.items() if name.startswith("idle"))
+    report.update(
+        loadavg_after=loadavg(),
+        categories=dict(counts),
+        busy_samples=total - idle,
+        chunks=window["chunks"],
+        gateway_cpu_s=window["cpu_s"]["proxy"],
+        cpu_us_per_chunk=window["cpu_s"]["proxy"] / window["chunks"] * 1e6,
+    )
+    (args.output / "relay-profile.json").write_text(json.dumps(report, indent=2) + "\n")
+    text = render_markdown(report)
+    (args.output / "relay-profile.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,28 @@
+"""bench/relay_profile.py: py-spy's collapsed stacks sorted into the table's categories."""
+
+from __future__ import annotations
+
+from bench.relay_profile import categorize, category
+
+ROOT = "run (uvloop/__init__.py:1);RequestResponseCycle.run_asgi (uvicorn/protocols/http/httptools_impl.py:2)"
+RELAY = ROOT + ";Exchange._relay_stream (server/gateway/proxy/exchange.py:3)"
+
+
+def test_an_owner_anywhere_in_the_stack_wins_over_the_innermost_frame():
+    log = ROOT + ";log_request (server/gateway/observability/logs.py:9);JSONEncoder.encode (json/encoder.py:1)"
+    assert category(log.split(";")).startswith("access log")
+
+
+def test_otherwise_the_innermost_layer_names_the_sample():
+    send = RELAY + ";RequestResponseCycle.send (uvicorn/protocols/http/httptools_impl.py:5)"
+    assert category(send.split(";")).startswith("client-side HTTP")
+    assert category(RELAY.split(";")).startswith("relay loop")
+    assert category(["Runner.run (asyncio/runners.py:118)"]).startswith("event loop")
+    assert category(["somewhere (else.py:1)"]) == "other"
+
+
+def test_counts_add_up_to_the_samples():
+    raw = f"{RELAY} 7\n{ROOT};UsageScanner.feed (server/gateway/proxy/sse.py:4) 3\n\n"
+    counts, total = categorize(raw)
+    assert total == 10 and sum(counts.values()) == 10
+    assert counts["relay loop and exchange (proxy.exchange, proxy.proxy)"] == 7

@@ -114,6 +114,8 @@ class HistoryTrimming:
         if outcome is None:
             return
         headers = outcome.response_headers()
+        if outcome.status is Outcome.PREVIOUS_RESPONSE:
+            log.debug("request %s: continues a stored response; sent untrimmed", request.request_id)
         if outcome.error is not None:
             outcome.error.headers = headers
             raise outcome.error

@@ -3,9 +3,12 @@
 The stand-in engine (20 ms to the first token, 10 ms per token, 32 tokens) and the load generator
 run on core 0, the gateway (`python -m server serve`, one worker) alone on core 1. While 64
 streams run, py-spy samples the gateway twice (raw stacks for the table, then the SVG flame
-graph; idle samples left out). The table puts each sample in the first category met from the
-innermost frame outwards, and turns shares into microseconds per chunk with the gateway's CPU per
-chunk measured by the load generator over the same stretch.
+graph; idle samples left out). The table puts each sample under the first owner found anywhere
+in its stack (the access log, metrics, trimming, routing, the SSE scan, the upstream client...),
+else under the innermost layer (uvicorn, JSON, the relay loop, the event loop), and turns shares
+into microseconds per chunk with the gateway's CPU per chunk measured by the load generator over
+the same stretch. On a busy machine a sample may be taken while the gateway waits for its core:
+shares then weigh time, not only CPU, alike for every category.
 
 Needs py-spy (`pip install py-spy`) and the right to trace a child process (root, or
 kernel.yama.ptrace_scope 0). Usage: python -m bench.relay_profile --output docs/bench [--seconds 20]
@@ -139,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         time.sleep(warmup)
-        raw = args.output / "relay-profile.raw.txt"
+        raw = procs.log_dir / "relay-profile.raw.txt"  # kept with the processes' logs, for a closer look
         common = ["--pid", str(gateway.pid), "--rate", str(args.rate), "--duration", str(int(args.seconds))]
         subprocess.run([py_spy, "record", *common, "--format", "raw", "-o", str(raw)], check=True, capture_output=True)
         svg = args.output / "relay-flame.svg"
@@ -148,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         out, _ = load.communicate(timeout=args.seconds * 2 + 120)
     window = json.loads(out)
     counts, total = categorize(raw.read_text())
-    raw.unlink()
+    print(f"raw stacks: {raw}")
     idle = sum(count for name, count in counts.items() if name.startswith("idle"))
     report.update(
         loadavg_after=loadavg(),

@@ -12,7 +12,7 @@ CONFIG ?= configs/gateway.yaml
 PROFILE ?= configs/profiles/tiny-cpu.yaml
 PYTEST_ARGS ?=
 
-.PHONY: help install run engine tiny-model lint format test test-fast test-busy bench loadtest up down up-cpu down-cpu compose compose-cpu helm-values prometheus clean
+.PHONY: help install run engine tiny-model lint format test test-fast test-busy bench loadtest up down up-cpu down-cpu compose compose-cpu compose-dns dclint helm-values prometheus clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -40,6 +40,19 @@ $(LIGHT_STAMP): pyproject.toml
 	  $(BIN)/pip install -q -e . || exit 1; }
 	@touch $@
 
+# dclint (npm, the docker-compose linter), project-local and pinned; tests/deploy/test_dclint.py
+# runs it on every rendered compose file and skips only where node is absent.
+DCLINT_VERSION := 3.1.0
+DCLINT_STAMP := .cache/node/.dclint-$(DCLINT_VERSION)
+
+$(DCLINT_STAMP):
+	@command -v npm >/dev/null || { echo "==> npm not found: tests/deploy/test_dclint.py skips without node"; exit 0; }; \
+	  echo "==> installing dclint $(DCLINT_VERSION) into .cache/node (npm)"; \
+	  npm install --prefix .cache/node --no-audit --no-fund --silent dclint@$(DCLINT_VERSION) && touch $@
+
+dclint: $(DCLINT_STAMP) ## Lint every rendered compose file with dclint (installs it into .cache/node)
+	.cache/node/node_modules/.bin/dclint docker/compose.yaml docker/compose.cpu.yaml docker/compose.dns.yaml
+
 prometheus: ## Install the Prometheus server and promtool (Debian package) if missing
 	@command -v prometheus >/dev/null && command -v promtool >/dev/null || { \
 	  echo "==> installing Debian package prometheus"; \
@@ -65,14 +78,14 @@ format: install ## Apply ruff's formatting and safe fixes
 	$(BIN)/ruff format $(LINTED)
 	$(BIN)/ruff check --fix $(LINTED)
 
-test: install prometheus lint ## Lint and type check, then the whole test suite (starts one real vLLM engine)
+test: install prometheus lint $(DCLINT_STAMP) ## Lint and type check, then the whole test suite (starts one real vLLM engine)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-fast: install ## Tests that need no real engine and no Prometheus
+test-fast: install $(DCLINT_STAMP) ## Tests that need no real engine and no Prometheus
 	$(BIN)/python -m pytest -m "not engine and not prometheus" $(PYTEST_ARGS)
 
 # The hogs are this recipe's own children, stopped by their ids however pytest ends.
-test-busy: install ## test-fast with two CPU hogs beside it (the tests must hold on a busy machine)
+test-busy: install $(DCLINT_STAMP) ## test-fast with two CPU hogs beside it (the tests must hold on a busy machine)
 	@hogs=""; trap 'kill $$hogs 2>/dev/null || true' EXIT; trap 'exit 130' INT TERM; \
 	for i in 1 2; do $(BIN)/python -c "while True: pass" & hogs="$$hogs $$!"; done; \
 	echo "==> two CPU hogs running (pids$$hogs)"; \
@@ -89,6 +102,9 @@ compose: $(LIGHT_STAMP) ## Regenerate docker/compose.yaml + prometheus.yml from 
 
 compose-cpu: $(LIGHT_STAMP) ## Regenerate docker/compose.cpu.yaml + prometheus.cpu.yml from configs/gateway.yaml
 	$(BIN)/python -m server compose --config configs/gateway.yaml --output docker/compose.cpu.yaml
+
+compose-dns: $(LIGHT_STAMP) ## Regenerate docker/compose.dns.yaml (engines as one scaled service found by DNS) from configs/gateway.dns.yaml
+	$(BIN)/python -m server compose --config configs/gateway.dns.yaml --output docker/compose.dns.yaml
 
 helm-values: $(LIGHT_STAMP) ## Regenerate charts/values.gpu.yaml (the Helm chart's engines and models) from configs/gateway.gpu.yaml
 	$(BIN)/python -m server helm-values --config configs/gateway.gpu.yaml --output charts/values.gpu.yaml

@@ -9,14 +9,13 @@ server needs and uvicorn does not do by itself:
 - at most `max_connections` client connections at once; one more is answered 503 and closed;
 - malformed HTTP (bad Content-Length, Content-Length with Transfer-Encoding, a bad chunk size,
   an unknown method) is answered 400 in the OpenAI error envelope, not in plain text;
-- the app can abort a request's connection (`scope["extensions"][ABORT_EXTENSION]()`): a
-  stream whose client stopped reading is closed without waiting for the unsent bytes to drain.
+- the app can abort a request's connection (`abort_connection(send)`): a stream whose client
+  stopped reading is closed without waiting for the unsent bytes to drain.
 """
 
 from __future__ import annotations
 
 import asyncio
-from functools import partial
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -35,9 +34,6 @@ class TooManyConnections(GatewayError):
     type = "service_unavailable"
     code = "too_many_connections"
 
-
-# The scope key (under "extensions") of a callable that aborts the request's connection.
-ABORT_EXTENSION = "gateway.abort_connection"
 
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 503: b"Service Unavailable"}
 
@@ -109,9 +105,6 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._disarm()
         super().on_headers_complete()
         self._arm(self.limits.body_timeout, "body")
-        if self.cycle is not None:
-            extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
-            extensions[ABORT_EXTENSION] = partial(self._abort, self.cycle)
 
     def on_message_complete(self) -> None:
         self._disarm()
@@ -139,15 +132,24 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         else:  # the app is reading the body: closing makes it see a disconnect
             self.transport.close()
 
-    def _abort(self, cycle: Any) -> None:
-        """Close the connection at once, dropping what it has not sent (a client that stopped reading)."""
-        if not cycle.response_complete:
-            cycle.disconnected = True  # the app's pending `send` returns, and uvicorn logs no error for it
-        self.transport.abort()
-
     def _refuse(self, exc: GatewayError) -> None:
         self.transport.write(raw_error_response(exc))
         self.transport.close()
+
+
+def abort_connection(send: Any) -> bool:
+    """Close the connection of the request that `send` (uvicorn's) answers, at once, dropping what it
+    has not sent; False if `send` is not uvicorn's. The request's pending `send` returns, and uvicorn
+    logs nothing: to it the client has gone. Nothing is stored per request (a reference from the
+    request's scope to its connection would be a cycle for the garbage collector, per request)."""
+    cycle: Any = getattr(send, "__self__", None)
+    transport = getattr(cycle, "transport", None)
+    if transport is None or not hasattr(cycle, "disconnected"):
+        return False
+    if not getattr(cycle, "response_complete", True):
+        cycle.disconnected = True
+    transport.abort()
+    return True
 
 
 def protocol_for(settings: Any) -> type[HttpToolsProtocol]:

@@ -10,7 +10,6 @@ router resolves to the engine that stored it (edge.targets).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl
@@ -48,7 +47,6 @@ class GatewayRequest:
     response_id: str | None = None  # retrieve/cancel: the stored response the path names
     pin: Engine | None = None  # the one replica that may answer (it stored the response asked for)
     adapter: str | None = None  # `model` names this LoRA adapter of the pool's base model
-    abort_client: Callable[[], None] | None = None  # closes the client's connection at once (edge.protocol)
 
     def header(self, name: bytes) -> str | None:
         return header_str(self.headers, name)

@@ -17,14 +17,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from time import perf_counter
-from typing import Any
 
 from server.gateway.edge.asgi import Receive, Scope, Send, read_body, send_bytes
 from server.gateway.edge.auth import check_api_key
 from server.gateway.edge.context import request_id_from
 from server.gateway.edge.endpoints import BY_PATH, Endpoint, known_path, match
 from server.gateway.edge.ops import OPEN_PATHS, GatewayState, find_route
-from server.gateway.edge.protocol import ABORT_EXTENSION
 from server.gateway.edge.requests import GatewayRequest, parse_request
 from server.gateway.edge.targets import resolve, served
 from server.gateway.errors import (
@@ -45,7 +43,6 @@ from server.gateway.proxy.proxy import Proxy
 
 log = logging.getLogger("gateway")
 
-_NONE: Mapping[str, Any] = {}
 RequestStep = Callable[[GatewayRequest], Awaitable[None]]
 Hook = Callable[[], Awaitable[None]]
 
@@ -123,7 +120,6 @@ class Gateway:
                 query=scope.get("query_string", b""),
                 param=param,
             )
-            request.abort_client = scope.get("extensions", _NONE).get(ABORT_EXTENSION)
             pool = resolve(self.state.upstreams, request)
             self.reporter.open(record, request.model)
             record.stream = request.stream

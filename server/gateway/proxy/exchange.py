@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from server.gateway.edge.asgi import Headers, Receive, Send
+from server.gateway.edge.protocol import abort_connection
 from server.gateway.edge.requests import GatewayRequest
 from server.gateway.edge.targets import body_for, excluded
 from server.gateway.engines.engine import Engine
@@ -425,9 +426,7 @@ class Exchange:
                 "was not reading; its connection was closed"
             )
         log.warning("request %s: %s", record.request_id, record.error)
-        abort = self.request.abort_client
-        if abort is not None:
-            abort()
+        abort_connection(self.send)
 
     async def _end_stream_on_shutdown(self) -> None:
         """The server's grace period is over: end a started stream properly instead of cutting it."""
@@ -438,7 +437,7 @@ class Exchange:
             )
             record.error = exc.message
             try:
-                event = self.request.endpoint.stream_format.error_event(exc, self.last)
+                event = self._take_held() + self.request.endpoint.stream_format.error_event(exc, self.last)
                 await self.send({"type": "http.response.body", "body": event, "more_body": False})
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass

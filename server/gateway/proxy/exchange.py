@@ -18,7 +18,11 @@ Failure handling, in the order a request meets it (`failures` has the table):
   the stream ends with an error in its own dialect (chat: `data: {"error": ...}` and
   `data: [DONE]`; Responses: an `error` event; see streams.py), like an engine failing mid-stream;
 - the client leaving, at any point: the upstream response is closed, so vLLM aborts the
-  request, within milliseconds.
+  request, within milliseconds;
+- the idle or total deadline passing while the relay waits for the client to take a chunk (it
+  stopped reading: flow control): that is the client's stall, not the engine's silence. Logged
+  as `client_stalled` with status 499, and the client's connection is closed at once, since no
+  error event could reach it (edge.protocol.abort_connection).
 Deadlines and disconnects cancel the request's task (`deadlines`); `Exchange.attempt` owns the
 upstream response and closes it on every path. An engine's error answer passes through with its
 status; one that is not in the OpenAI envelope (an endpoint the engine does not serve) is put in one.

@@ -5,7 +5,9 @@ from it: when the first real token passes (time to first token, inter-token late
 token usage of the final chunk (chat) or of the `response.completed` event (Responses API; see
 streams.py for the two dialects). Both are found with `bytes.find` on the raw chunk; JSON is
 parsed only for an event that carries `usage`. A network read may hold several events or part
-of one; `UsageScanner` keeps an unfinished event until the next read completes it.
+of one; `UsageScanner` keeps an unfinished event until the next read completes it. A stream
+whose client did not ask for usage goes through `hidden_usage.HiddenUsage` instead, which also
+takes the usage chunk out.
 """
 
 from __future__ import annotations

@@ -52,9 +52,9 @@ def _stalling_client(url: str, body: dict) -> socket.socket:
 
 
 def test_a_client_that_stops_reading_is_cut_as_client_stalled_not_as_an_idle_engine(engines, gateway):
-    # About 20 MB of stream, produced as fast as the stand-in can: far more than the buffers on the way hold.
-    # The idle timeout is long enough that a busy machine pausing the stand-in does not trigger it first.
-    # (socket buffers, the gateway's write buffer and its 1 MiB of unread engine bytes).
+    # About 20 MB of stream, produced as fast as the stand-in can: far more than the buffers on the way
+    # hold (socket buffers, the gateway's write buffer and its 1 MiB of unread engine bytes). The idle
+    # timeout is long enough that a busy machine pausing the stand-in does not trigger it first.
     (engine,) = engines(1, ttft_ms=1, itl_ms=0, tokens=100_000)
     log = AccessLog()
     gw = gateway(fast_settings({"standin": [engine.url]}, timeouts={"idle": 2.0}), log_request=log)

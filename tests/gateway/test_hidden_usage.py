@@ -90,6 +90,7 @@ def _request(body: dict, path: str = "/v1/chat/completions"):
     ("options", "hidden", "sent"),
     [
         (None, True, {"include_usage": True}),
+        ("null", True, {"include_usage": True, "continuous_usage_stats": False}),
         ({"include_usage": False}, True, {"include_usage": True, "continuous_usage_stats": False}),
         ({"continuous_usage_stats": True}, True, {"include_usage": True, "continuous_usage_stats": False}),
         ({"include_usage": True}, False, {"include_usage": True}),
@@ -99,10 +100,11 @@ def _request(body: dict, path: str = "/v1/chat/completions"):
 def test_the_engine_is_asked_for_usage_unless_the_client_asked(options, hidden, sent):
     body = chat_body(stream=True)
     if options is not None:
-        body["stream_options"] = options
+        body["stream_options"] = None if options == "null" else options
     request = _request(body)
     assert hide_usage_from_client(request) is hidden
     upstream = json.loads(request.raw)
+    assert request.raw.count(b'"stream_options"') == 1
     assert upstream["stream_options"] == (sent if sent is not None else options)
     assert {k: v for k, v in upstream.items() if k != "stream_options"} == {
         k: v for k, v in body.items() if k != "stream_options"

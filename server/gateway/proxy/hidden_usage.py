@@ -50,12 +50,14 @@ def hide_usage_from_client(request: GatewayRequest) -> bool:
     re-serialisation: the body parsed as an object, so its first non-blank byte is `{`)."""
     if not (request.stream and request.endpoint.usage_option):
         return False
-    options = request.body.get("stream_options")
-    if options is None:
+    if "stream_options" not in request.body:
         raw = request.raw
         start = raw.find(b"{") + 1
         request.raw = raw[:start] + _ASK + raw[start:]
         return True
+    options = request.body["stream_options"]
+    if options is None:  # `"stream_options": null`: re-serialised (a spliced key would be a duplicate)
+        options = {}
     if not isinstance(options, dict) or options.get("include_usage") is True:
         return False
     request.replace_body(

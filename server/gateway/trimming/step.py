@@ -137,9 +137,6 @@ class HistoryTrimming:
         """What to do with the request `body` for `model` (its conversation read by `read`), when
         the client asked for mode `requested` (already checked by `parse_mode`); None to pass it
         through without a word. A trimmed outcome carries the body to send (`body`)."""
-        history = read(body)
-        if history is None:
-            return None
         try:
             target = await self.lookup(model)
         except Exception:  # trimming never turns a request into a 500
@@ -150,9 +147,12 @@ class HistoryTrimming:
         config = target.trimming
         mode = effective_mode(config.mode, requested)
         if mode == "off":
-            return None
+            return None  # before reading the conversation: a model that is not trimmed pays nothing
         if read is responses_history and hides_history(body):
             return TrimOutcome(Outcome.PREVIOUS_RESPONSE)
+        history = read(body)
+        if history is None:
+            return None
         reserved = answer_tokens(body, config, history.answer_keys)
         if reserved is None:
             return None  # a bad max_tokens: let the engine say so

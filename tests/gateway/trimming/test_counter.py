@@ -12,6 +12,7 @@ import asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from server.gateway.trimming.core import trim_messages
 from server.gateway.trimming.counter import TokenCounter, message_key
 from tests.gateway.trimming.conversations import conversations
 
@@ -286,3 +287,19 @@ async def test_background_learning_is_bounded_too():
     before = len(template.calls)
     await counter.learn("m", template.tokenize, [{"role": "user", "content": f"n{i}"} for i in range(1_000)])
     assert len(template.calls) - before == 8
+
+
+@settings(max_examples=80, deadline=None)
+@given(conversations(), st.integers(min_value=1, max_value=6), st.integers(min_value=0, max_value=400), st.booleans())
+async def test_with_few_calls_what_trimming_keeps_never_costs_more_than_counted(messages, max_calls, budget, bos):
+    """Whatever was left uncounted, a prompt that fits by the counts fits for real: an uncounted
+    message that could be sent is taken at its upper bound, and one guessed lower can never be
+    part of a prompt that fits."""
+    template = Template(bos=int(bos))
+    counter = TokenCounter(max_calls=max_calls)
+    count = await counter.count("m", template.tokenize, messages, budget=budget)
+    assert len(template.calls) <= 7 + max_calls
+    by_id = dict(zip(map(id, messages), count.per_message, strict=True))
+    result = trim_messages(messages, budget, lambda m: by_id[id(m)], overhead=count.overhead)
+    if result.fits:
+        assert template.exact(result.messages, True) <= result.kept_tokens <= budget

@@ -14,8 +14,8 @@ files (PROMETHEUS_MULTIPROC_DIR, a directory the supervisor owns), so whichever 
 Shutdown (SIGINT or SIGTERM): /ready turns 503, the listening socket closes, in-flight requests
 and streams get `limits.shutdown_grace` seconds to finish, then `serve_gateway` returns (so a
 launcher can stop the engines it started). A second SIGINT stops at once. The supervisor
-forwards each signal to every worker (they run in their own session, so a terminal's Ctrl-C
-reaches them once, through it) and returns when all have exited. A worker that exits on its own
+forwards each signal to every worker (they run in their own process group, so a terminal's
+Ctrl-C reaches them once, through it) and returns when all have exited. A worker that exits on its own
 makes the supervisor stop the others (they drain) and return 1: the container or service
 manager restarts the gateway. A supervisor that dies without a word (SIGKILL) takes its workers
 along: each asks the kernel for SIGTERM when its parent dies (PR_SET_PDEATHSIG) and also
@@ -245,7 +245,10 @@ async def _start_worker(
     worker = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "server.gateway.server",
         stdin=asyncio.subprocess.PIPE, env=env,
-        start_new_session=True,  # signals reach it through the supervisor only, once
+        # Its own process group: a terminal's Ctrl-C reaches it through the supervisor only, once.
+        # Not its own session: that would also be its own scheduler autogroup, a different share
+        # of the CPU from the supervisor it belongs to.
+        preexec_fn=os.setpgrp,
     )  # fmt: skip
     assert worker.stdin is not None
     # Our own child on a pipe: pickle carries the settings and models exactly as planned here.

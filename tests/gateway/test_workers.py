@@ -78,7 +78,9 @@ def alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def serve_workers(engine_url: str, tmp_path: Path, *extra: str, workers: int = 2) -> Iterator[Served]:
+def serve_workers(
+    engine_url: str, tmp_path: Path, *extra: str, workers: int = 2, own_group: bool = False
+) -> Iterator[Served]:
     port = free_port()
     log = tmp_path / "gateway.log"
     with log.open("wb") as out:
@@ -87,6 +89,7 @@ def serve_workers(engine_url: str, tmp_path: Path, *extra: str, workers: int = 2
              "--workers", str(workers), *extra],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
             env={k: v for k, v in os.environ.items() if k not in ("GATEWAY_API_KEYS", "GATEWAY_WORKERS")},
+            process_group=0 if own_group else None,  # as a shell's job: Ctrl-C signals the whole group
         )  # fmt: skip
     served = Served(process, f"http://127.0.0.1:{port}", log)
     pids: list[int] = []
@@ -218,7 +221,7 @@ def test_sigterm_drains_both_workers_and_leaves_no_process(engines, tmp_path):
     streams = 12
     with serve_workers(engine.url, tmp_path, "--config", str(_grace(tmp_path, 30))) as served:
         pids = served.worker_pids()
-        wait_for(lambda: ready(served), timeout=START_TIMEOUT)
+        answering_workers(served)  # both listen: a worker still starting gets no connection
         engine.faults(hold=True)
         results: list[tuple[str, list[str]]] = []
 
@@ -253,6 +256,36 @@ def test_sigterm_drains_both_workers_and_leaves_no_process(engines, tmp_path):
         assert "shutting down 2 workers" in log
         leftover = f"{METRICS_DIR_PREFIX}{served.process.pid}-"
         assert not [name for name in os.listdir(tempfile.gettempdir()) if name.startswith(leftover)]
+
+
+def test_ctrl_c_in_a_terminal_drains_instead_of_cutting_streams(engines, tmp_path):
+    """A terminal's Ctrl-C sends SIGINT to the whole foreground process group. A worker in that
+    group would get it twice (from the terminal and from the supervisor): a second SIGINT forces
+    an exit and cuts its streams. Workers run in their own group, so each gets one SIGINT."""
+    (engine,) = engines(1, ttft_ms=2, itl_ms=2, tokens=8)
+    with serve_workers(engine.url, tmp_path, "--config", str(_grace(tmp_path, 30)), own_group=True) as served:
+        wait_for(lambda: ready(served), timeout=START_TIMEOUT)
+        engine.faults(hold=True)
+        results: list[list[str]] = []
+
+        def stream(i: int) -> None:
+            body = chat_body(f"c{i}", stream=True)
+            with httpx.Client(timeout=120) as client:
+                text = client.post(f"{served.url}/v1/chat/completions", json=body, headers={"connection": "close"}).text
+            results.append(sse_events(text))
+
+        clients = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
+        for client in clients:
+            client.start()
+        wait_for(lambda: engine.stats()["held"] == 6, timeout=60, what=engine.stats)
+        os.killpg(served.process.pid, signal.SIGINT)
+        wait_for(lambda: refuses(served.url), timeout=60, what="both workers to close their sockets")
+        httpx.post(f"{engine.url}/_standin/release", timeout=5).raise_for_status()
+        for client in clients:
+            client.join(120)
+        assert served.process.wait(timeout=120) == 0
+        assert [events[-1:] for events in results] == [["[DONE]"]] * 6
+        assert all(len(events) == 1 + 8 + 1 for events in results), results[:2]
 
 
 def test_a_killed_supervisor_leaves_no_orphan(engines, tmp_path):

@@ -44,9 +44,9 @@ class Workload:
     family_size: int = 12  # one family: every tenant starts with the same platform preamble
     shared_chars: int = 1300
     system_chars: int = 2600
-    conversations: int = 3
-    turns: int = 3
-    max_tokens: int = 16
+    conversations: int = 4
+    turns: int = 2
+    max_tokens: int = 8  # short answers: TTFT is the figure, decoding only costs the run time
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -157,6 +157,8 @@ def ratios(fig: dict[str, dict]) -> dict:
         "cpu_per_chunk_x1_vs_router": ratio(one.get("cpu_us_per_chunk_at_64"), router.get("cpu_us_per_chunk_at_64")),
         "cpu_per_chunk_x2_vs_x1": ratio(two.get("cpu_us_per_chunk_at_64"), one.get("cpu_us_per_chunk_at_64")),
         "ceiling_x2_vs_x1": ratio(two.get("ceiling_chunks_per_s"), one.get("ceiling_chunks_per_s")),
+        # Chunks per proxy CPU-second: what each worker's core relays, two workers against one.
+        "per_core_x2_vs_x1": ratio(two.get("chunks_per_proxy_core_s"), one.get("chunks_per_proxy_core_s")),
         "added_ttft_x1_minus_router_ms": _minus(one.get("added_ttft_ms_at_4"), router.get("added_ttft_ms_at_4")),
         "added_ttft_x2_minus_router_ms": _minus(two.get("added_ttft_ms_at_4"), router.get("added_ttft_ms_at_4")),
     }
@@ -170,6 +172,16 @@ def _fmt(value, digits: int = 1, suffix: str = "") -> str:
     if value is None:
         return "n/a"
     return f"{value:.{digits}f}{suffix}" if isinstance(value, float) else f"{value}{suffix}"
+
+
+def _errors(results: dict[str, dict[int, dict]]) -> str:
+    found = []
+    for path, phases in results.items():
+        for concurrency, res in sorted(phases.items(), key=lambda item: int(item[0])):
+            if res["errors"]:
+                kinds = ", ".join(f"{kind} x{count}" for kind, count in res.get("error_kinds", {}).items())
+                found.append(f"{path} at {concurrency} streams: {res['errors']} ({kinds})")
+    return "; ".join(found) or "none"
 
 
 def render_markdown(report: dict) -> str:
@@ -213,8 +225,11 @@ def render_markdown(report: dict) -> str:
         f"{_fmt(r['added_ttft_x2_minus_router_ms'], 2, ' ms')} (goal <= +0.3 ms)",
         f"- ceiling, 2 workers / 1 worker: {_fmt(r['ceiling_x2_vs_x1'], 2, 'x')} (goal >= 1.8x where the machine "
         "allows it; here the engine and the load generator share the two cores with the workers)",
-        f"- CPU per chunk, 2 workers / 1 worker: {_fmt(r['cpu_per_chunk_x2_vs_x1'], 2, 'x')} (multiprocess metrics "
-        "files, two event loops)",
+        f"- chunks per proxy CPU-second at the ceiling, 2 workers / 1 worker: "
+        f"{_fmt(r.get('per_core_x2_vs_x1'), 2, 'x')} (near 1.0: each worker's core relays what one worker's core "
+        "does, so N free cores relay N times as much)",
+        f"- CPU per chunk at 64 streams, 2 workers / 1 worker: {_fmt(r['cpu_per_chunk_x2_vs_x1'], 2, 'x')}",
+        f"- errors in any window: {_errors(report['results'])}",
         "",
         "| path | streams | chunks/s | TTFT p50 / p90 / p99 ms | errors | CPU s proxy / engine / loadgen "
         "| other processes' CPU s | window s |",
@@ -243,7 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved windows at 4 streams")
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--paths", default=",".join(ALL_PATHS))
+    parser.add_argument("--from-json", type=Path, help="only write the report again from an earlier run's JSON")
     args = parser.parse_args(argv)
+    if args.from_json:
+        report = json.loads(args.from_json.read_text())
+        report["results"] = {p: {int(c): r for c, r in ph.items()} for p, ph in report["results"].items()}
+        return _write(report, args.output)
     paths = [p for p in args.paths.split(",") if p]
     if "direct" not in paths:
         paths.insert(0, "direct")
@@ -293,11 +313,15 @@ def main(argv: list[str] | None = None) -> int:
                 )
     report["loadavg_after"] = loadavg()
     report["results"] = results
-    report["figures"] = {path: figures(results, path) for path in live}
+    return _write(report, args.output)
+
+
+def _write(report: dict, output: Path) -> int:
+    report["figures"] = {path: figures(report["results"], path) for path in report["results"]}
     report["ratios"] = ratios(report["figures"])
-    args.output.mkdir(parents=True, exist_ok=True)
-    (args.output / "workers.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.output / "workers.md").write_text(render_markdown(report))
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "workers.json").write_text(json.dumps(report, indent=2) + "\n")
+    (output / "workers.md").write_text(render_markdown(report))
     print(render_markdown(report))
     return 0
 

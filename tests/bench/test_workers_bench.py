@@ -11,7 +11,8 @@ def window(concurrency: int, chunks: int, proxy_cpu: float | None, ttft_p50: flo
     cpu = {"engine": 1.0, "loadgen": 0.5, **({"proxy": proxy_cpu} if proxy_cpu is not None else {})}
     return {
         "concurrency": concurrency, "chunks": chunks, "chunks_per_s": chunks / 8.0, "window_s": 8.0,
-        "errors": errors, "ttft_ms": {"p50": ttft_p50, "p90": None, "p99": None}, "cpu_s": cpu,
+        "errors": errors, "error_kinds": {"status 503": errors} if errors else {},
+        "ttft_ms": {"p50": ttft_p50, "p90": None, "p99": None}, "cpu_s": cpu,
         "foreign_cpu_s": 0.4,
     }  # fmt: skip
 
@@ -45,6 +46,7 @@ def test_ratios_compare_the_gateway_with_the_router_and_two_workers_with_one():
     assert r["cpu_per_chunk_x1_vs_router"] == pytest.approx(40.0 / 30.0)
     assert r["ceiling_x2_vs_x1"] == pytest.approx(180_000 / 100_000)
     assert r["added_ttft_x1_minus_router_ms"] == pytest.approx(0.2)
+    assert r["per_core_x2_vs_x1"] == pytest.approx((180_000 / 15.0) / (100_000 / 8.0))
     assert ratios({})["ceiling_x2_vs_x1"] is None
 
 
@@ -57,5 +59,6 @@ def test_the_report_names_every_path_and_goal():
     report["figures"] = {path: figures(RESULTS, path) for path in RESULTS}
     report["ratios"] = ratios(report["figures"])
     text = render_markdown(report)
-    for needle in ("| gateway x2 |", "| vllm-router |", "goal <= 1.25x", "2 workers / 1 worker: 1.80x", "## Method"):
+    for needle in ("| gateway x2 |", "| vllm-router |", "goal <= 1.25x", "2 workers / 1 worker: 1.80x", "## Method",
+                   "gateway x1 at 512 streams: 3 (status 503 x3)"):  # fmt: skip
         assert needle in text

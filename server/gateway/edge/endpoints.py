@@ -44,7 +44,7 @@ class Endpoint:
     path: str  # the same path on the gateway and on the engine; `{response_id}` is a path parameter
     check: BodyCheck | None = None  # raises InvalidRequest for a body the gateway cannot route
     streams: bool = True  # `"stream": true` (a form field `stream=true`, a query `?stream=true`) answers with SSE
-    trims_history: bool = False  # history trimming may shorten `messages`
+    trims_history: bool = False  # history trimming may shorten `messages` (chat) or `input` (Responses)
     method: str = "POST"
     model_from: ModelSource = "json"
     stream_format: StreamFormat = CHAT
@@ -72,7 +72,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("chat", "/v1/chat/completions", check=check_messages, trims_history=True, usage_option=True),
     Endpoint("completions", "/v1/completions", check=check_prompt, usage_option=True),
     _json("chat_batch", "/v1/chat/completions/batch"),
-    Endpoint("responses", "/v1/responses", stream_format=RESPONSES, stores_responses=True),
+    Endpoint("responses", "/v1/responses", stream_format=RESPONSES, stores_responses=True, trims_history=True),
     Endpoint(
         "responses_retrieve",
         "/v1/responses/{response_id}",

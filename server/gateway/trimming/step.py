@@ -217,6 +217,6 @@ def reader(endpoint: Endpoint) -> Reader | None:
     """How to read the conversation of a request to `endpoint`; None where history is not trimmed.
 
     A Responses create (the endpoint that stores responses) is read as `instructions` + `input`."""
-    if endpoint.stores_responses:
-        return responses_history
-    return chat_history if endpoint.trims_history else None
+    if not endpoint.trims_history:
+        return None
+    return responses_history if endpoint.stores_responses else chat_history

@@ -327,6 +327,9 @@ async def _serve_worker(spec: dict[str, Any], parent: int) -> None:
 
 def worker_main() -> int:
     """A worker process: its spec (pickled) on stdin, its supervisor's pid in the environment."""
+    if SUPERVISOR_ENV not in os.environ or MULTIPROC_ENV not in os.environ:
+        print("a gateway worker is started by `python -m server serve --workers N`", file=sys.stderr)
+        return 2
     parent = int(os.environ[SUPERVISOR_ENV])
     _die_with_parent()
     if os.getppid() != parent:  # the supervisor died before the line above

@@ -12,7 +12,7 @@ CONFIG ?= configs/gateway.yaml
 PROFILE ?= configs/profiles/tiny-cpu.yaml
 PYTEST_ARGS ?=
 
-.PHONY: help install run engine tiny-model lint format test test-fast test-busy bench loadtest up down up-cpu down-cpu compose compose-cpu compose-dns dclint helm-values prometheus clean
+.PHONY: help install run engine tiny-model lint format test test-fast test-busy bench loadtest routing-experiment up down up-cpu down-cpu compose compose-cpu compose-dns dclint helm-values prometheus clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -96,6 +96,9 @@ bench: install ## Gateway vs direct vs vllm-router on a stand-in engine; writes 
 
 loadtest: install ## Run the itinerary scenario against `make run`'s gateway
 	$(BIN)/python -m loadtest --url http://127.0.0.1:8000 --model tiny --scenario itinerary --record-header x-trim-status --output loadtest/out
+
+routing-experiment: install ## Cache-aware routing vs round robin, today's policy and an oracle on two tiny replicas (~35 min on 2 cores); writes loadtest/results/cache-aware-routing/
+	$(BIN)/python -m bench.routing_experiment --rounds 2 --weights balance=0 --weights balance=1 --output loadtest/results/cache-aware-routing/b-8-requests-per-tenant
 
 compose: $(LIGHT_STAMP) ## Regenerate docker/compose.yaml + prometheus.yml from configs/gateway.gpu.yaml
 	$(BIN)/python -m server compose --config configs/gateway.gpu.yaml --output docker/compose.yaml

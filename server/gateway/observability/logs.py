@@ -7,11 +7,12 @@ are dropped whatever the caller passes. The gateway never passes message content
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
 from typing import Any, Literal
+
+from server.gateway.jsonio import dumps_text
 
 ACCESS_LOGGER = "gateway.access"
 ACCESS_FIELDS = (
@@ -61,14 +62,41 @@ def access_record(fields: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
+class AccessLine:
+    """A request's log message: its JSON line, written only when a handler asks for the text.
+
+    `JsonFormatter` puts the record's fields at the top level of its own line and never asks, so
+    the line is serialised once; a text formatter (or a test's log capture) gets the JSON line."""
+
+    __slots__ = ("record",)
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        self.record = record
+
+    def __str__(self) -> str:
+        return dumps_text(self.record)
+
+
 def log_request(**fields: Any) -> None:
     """Write one JSON line for a finished request on the `gateway.access` logger."""
     logger = logging.getLogger(ACCESS_LOGGER)
     if not logger.isEnabledFor(logging.INFO):
         return
     record = access_record(fields)
-    line = json.dumps(record, ensure_ascii=False, separators=(",", ":"), default=str)
-    logger.info(line, extra={"access": record})
+    logger.info(AccessLine(record), extra={"access": record})
+
+
+_second: tuple[int, str] = (-1, "")  # the last second formatted, and its text (one tuple: thread-safe)
+
+
+def utc_timestamp(created: float, msecs: float) -> str:
+    """`2026-11-30T15:09:35.123Z` for a record's time; the part up to the second is formatted once a second."""
+    global _second
+    second = int(created)
+    cached = _second
+    if cached[0] != second:
+        cached = _second = (second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second)))
+    return f"{cached[1]}.{int(msecs):03d}Z"
 
 
 class JsonFormatter(logging.Formatter):
@@ -76,7 +104,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "ts": utc_timestamp(record.created, record.msecs),
             "level": record.levelname.lower(),
             "logger": record.name,
         }
@@ -87,7 +115,7 @@ class JsonFormatter(logging.Formatter):
             out["msg"] = record.getMessage()
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, ensure_ascii=False, separators=(",", ":"), default=str)
+        return dumps_text(out)
 
 
 _HANDLER_MARK = "_gateway_handler"

@@ -91,6 +91,31 @@ async def test_tool_definitions_are_sent_to_the_engines_tokenizer(engines):
         assert "tools" not in engine.stats()["last_tokenize"]["body"]
 
 
+async def test_counting_tokens_takes_no_routing_turn_and_counts_no_request(engines):
+    """Trimming's /tokenize is the gateway's own side request: under round robin it must not move
+    the turn (run a of the routing experiment split 15:33 because it did), nor count as outstanding."""
+    from server.deploy.plan import plan_deployment
+    from server.gateway.engines.pool import EnginePool
+    from server.gateway.trimming.target import EngineTrimTarget
+
+    pair = engines(2, max_model_len=200)
+    settings = fast_settings({"standin": [e.url for e in pair]}, routing={"policy": "round_robin"})
+    pool = EnginePool.from_models(plan_deployment(settings.models).served_models()).models["standin"]
+    for engine in pool.engines:
+        engine.healthy = True
+    chosen = []
+    async with httpx.AsyncClient() as client:
+        target = EngineTrimTarget(pool, client, settings.routing, httpx.Timeout(5.0))
+        for _ in range(4):
+            decision = pool.route(settings.routing)
+            assert decision is not None
+            chosen.append(decision.engine.id)
+            pool.release(decision.engine)
+            await target.tokenize([{"role": "user", "content": "hi"}], True)
+            assert all(e.outstanding == 0 for e in pool.engines)
+    assert chosen[0] != chosen[1] and chosen[0::2] == [chosen[0]] * 2 and chosen[1::2] == [chosen[1]] * 2
+
+
 def test_a_responses_conversation_is_trimmed_through_the_gateway():
     """/v1/responses through the whole gateway: the engine (a stand-in that refuses over-long
     prompts as vLLM does) gets the instructions, the newest items and whole tool calls, under the

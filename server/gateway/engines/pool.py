@@ -56,8 +56,9 @@ class ModelPool:
     async def prompt(
         self, policy: Routing, body: Mapping[str, Any], *, adapter: str | None = None
     ) -> PromptView | None:
-        """The request's prompt in blocks, for `route` (None unless the policy is cache_aware)."""
-        if policy.policy != "cache_aware":
+        """The request's prompt in blocks, for `route` (None unless the policy is cache_aware and the
+        model has more than one replica: with one, there is nothing for the prompt to decide)."""
+        if policy.policy != "cache_aware" or len(self.engines) < 2:
             return None
         return await self.cache.read(
             self.name, body, self.engines, precise=policy.prefix_index == "precise", adapter=adapter
@@ -91,6 +92,11 @@ class ModelPool:
         if not live:
             return None
         now = time.monotonic()
+        if len(live) == 1:  # nothing to choose: no prefix matching, no scores (the log says `only_choice`)
+            engine = live[0]
+            engine.outstanding += 1
+            self.cache.sent(engine, prompt, now, configured_block_size=self.configured_block_size)
+            return Decision(engine, "only_choice", "cache_aware")
         precise = policy.prefix_index == "precise"
         source, blocks, candidates = self.cache.candidates(
             live, prompt, now, precise=precise, configured_block_size=self.configured_block_size
@@ -109,6 +115,12 @@ class ModelPool:
         decision.engine.outstanding += 1
         self.cache.sent(decision.engine, prompt, now, configured_block_size=self.configured_block_size)
         return decision
+
+    def side_engine(self) -> Engine | None:
+        """An engine for a side request of the gateway's own (trimming's /tokenize): the least loaded
+        healthy one. No routing decision: round robin's turn does not move and nothing is counted."""
+        live = [e for e in self.engines if e.healthy]
+        return min(live, key=lambda e: e.outstanding) if live else None
 
     @staticmethod
     def release(engine: Engine) -> None:

@@ -51,7 +51,7 @@ class EngineTrimTarget:
     ) -> int:
         """Tokens of `messages` rendered by the model's chat template, counted by one of its engines.
         With `tools`, the template renders the tool definitions too (as vLLM does for the request)."""
-        engine = self.pool.acquire(self.routing)
+        engine = self.pool.side_engine()  # not acquire: a count is no request to route (round robin's turn)
         if engine is None:
             raise TokenizeFailed(f"no healthy engine for model {self.pool.name}")
         body: dict[str, Any] = {
@@ -67,8 +67,6 @@ class EngineTrimTarget:
             count = response.json().get("count")
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
             raise TokenizeFailed(f"engine {engine.id}: /tokenize failed: {exc!r}") from exc
-        finally:
-            self.pool.release(engine)
         if not isinstance(count, int):
             raise TokenizeFailed(f"engine {engine.id}: /tokenize answered without a count")
         return count

@@ -11,7 +11,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from server.gateway.engines.scoring import Decision
 
 log = logging.getLogger("gateway")
 
@@ -56,7 +59,7 @@ class RequestRecord:
     error: str | None = None
     trimmed_messages: int | None = None
     trimmed_tokens: int | None = None
-    routing: dict[str, Any] | None = None  # why `engine` was chosen (engines.scoring.Decision.explain)
+    routing: Decision | None = None  # why `engine` was chosen (explained only when the log line is written)
 
 
 def _token_count(value: object) -> int | None:
@@ -101,7 +104,7 @@ class RequestReporter:
             metrics.request_finished(model, record.status, duration, record.stream)
             metrics.endpoint_request(record.endpoint, record.status)
             if record.routing is not None:
-                metrics.routing_decision(model, str(record.routing.get("reason")))
+                metrics.routing_decision(model, record.routing.reason)
         if self.log_request is not None:
             self.log_request(
                 request_id=record.request_id,
@@ -116,5 +119,5 @@ class RequestReporter:
                 trimmed_messages=record.trimmed_messages,
                 trimmed_tokens=record.trimmed_tokens,
                 error=record.error,
-                routing=record.routing,
+                routing=record.routing.explain() if record.routing is not None else None,
             )

@@ -170,7 +170,7 @@ class Exchange:
             engine = decision.engine
             tried.append(engine)
             self.record.engine = engine.id
-            self.record.routing = decision.explain()
+            self.record.routing = decision
             try:
                 await self.attempt(engine)
                 return

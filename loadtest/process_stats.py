@@ -8,9 +8,10 @@ engine's too), so `loadtest.selfcheck` can tell the client's share from the serv
 machine's. Linux only; elsewhere the figures are None.
 
 `frozen_gc()` keeps the collector's pauses out of a run: measured with `loadtest.selfcheck`
-(loadtest/results/client-overhead), a full collection stopped the load generator for 21-37 ms
-once per run at 256 streams, late-stamping every chunk that arrived meanwhile; with everything
-allocated before the run frozen (`gc.freeze()`), the longest pause was 2.3 ms.
+(loadtest/results/client-overhead), a full collection stopped the load generator for 21-66 ms
+when one happened in a run (at 256 streams, 50 or 600 requests/s), late-stamping every chunk
+that arrived meanwhile; with everything allocated before the run frozen (`gc.freeze()`), no
+run had a full collection.
 """
 
 from __future__ import annotations

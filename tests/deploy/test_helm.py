@@ -361,6 +361,22 @@ def test_the_gateway_drains_within_its_grace_period(case):
         assert "GATEWAY_API_KEYS" not in env
 
 
+@pytest.mark.parametrize(("workers", "argv"), [(None, "2"), (4, "4"), ("auto", "auto")])
+def test_the_gateway_runs_its_workers_and_the_cli_takes_the_value(tmp_path, workers, argv):
+    values = several_profiles(tmp_path)
+    if workers is not None:
+        values["gateway"]["workers"] = workers
+    (container,) = named(render(values), "Deployment", "llm-llm-serving-gateway")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    assert _flag(container["args"], "--workers", "") == argv
+    from server.cli import build_parser
+    from server.gateway.settings import usable_cores, worker_count
+
+    expected = int(argv) if argv.isdigit() else usable_cores()
+    assert worker_count(build_parser().parse_args(container["args"]).workers) == expected
+
+
 def test_shutdown_grace_comes_from_the_config(tmp_path):
     values = several_profiles(tmp_path)
     assert values["gateway"]["shutdownGraceSeconds"] == 13  # limits.shutdown_grace 12.5, rounded up

@@ -36,6 +36,8 @@ LAST = event({"choices": [], "usage": USAGE})
         (b'data: {"choices":[{"delta":{"tool_calls":[]}}]}\n\n', False),
         (LAST, False),
         (b"data: [DONE]\n\n", False),
+        (b'data: {"choices":[{"delta":{"content":"', False),  # cut where the string starts
+        (b'data: {"choices":[{"delta":{"content":"x', True),
     ],
 )
 def test_has_token(chunk, expected):
@@ -82,3 +84,13 @@ def test_usage_from_a_whole_body():
 def test_ends_with_done():
     assert ends_with_done(TOKEN + b"data: [DONE]\n\n")
     assert not ends_with_done(TOKEN)
+
+
+def test_only_the_last_usage_event_is_parsed_and_one_split_across_reads_still_counts():
+    scanner = UsageScanner()
+    scanner.feed(event({"choices": [{"delta": {"content": "x"}}], "usage": {"completion_tokens": 1}}))
+    last = event({"choices": [], "usage": USAGE})
+    scanner.feed(TOKEN + last[:30])
+    assert scanner.usage is None  # nothing parsed while the stream runs
+    scanner.feed(last[30:] + b"data: [DONE]\n\n")
+    assert scanner.finish() == USAGE

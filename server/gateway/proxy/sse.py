@@ -4,7 +4,7 @@ The gateway forwards the engine's stream byte for byte. It only needs to know tw
 from it: when the first real token passes (time to first token, inter-token latency), and the
 token usage of the final chunk (chat) or of the `response.completed` event (Responses API; see
 streams.py for the two dialects). Both are found with `bytes.find` on the raw chunk; JSON is
-parsed only for an event that carries `usage`. A network read may hold several events or part
+parsed once, for the last event that carries `usage`. A network read may hold several events or part
 of one; `UsageScanner` keeps an unfinished event until the next read completes it. A stream
 whose client did not ask for usage goes through `hidden_usage.HiddenUsage` instead, which also
 takes the usage chunk out.
@@ -25,8 +25,15 @@ _USAGE_MARKER = b'"usage":'
 MAX_USAGE_BUFFER = 1 << 20
 
 
+_CONTENT_STRING = b'content":"'  # vLLM's compact JSON: the common case, one `find`
+_CONTENT_AT = len(_CONTENT_STRING)
+
+
 def has_token(chunk: bytes) -> bool:
     """True if any event in `chunk` carries a non-empty content/text string or a tool call."""
+    i = chunk.find(_CONTENT_STRING)
+    if i != -1 and chunk[i + _CONTENT_AT : i + _CONTENT_AT + 1] not in (b'"', b""):
+        return True  # the first content string is not empty: most chunks of a stream stop here
     for marker in _TOKEN_MARKERS:
         i = chunk.find(marker)
         while i != -1:
@@ -76,20 +83,27 @@ def usage_from_event(event: bytes) -> dict[str, Any] | None:
 
 
 class UsageScanner:
-    """Finds the last `usage` object in a stream of SSE bytes, parsing only the events that have one.
+    """Finds the last `usage` object in a stream of SSE bytes, parsing only the last event that has one.
 
-    Per chunk it costs an `endswith` and a `find`. An event split across two reads is kept
-    (bounded) and completed by the next read.
+    Per chunk it costs an `endswith` and a `find`: a chunk holding a usage object is kept (its
+    complete events), and parsed once, in `finish` (with `continuous_usage_stats` every chunk has
+    one; only the last counts). An event split across two reads is kept (bounded) and completed by
+    the next read.
     """
 
-    __slots__ = ("_tail", "usage")
+    __slots__ = ("_last", "_tail", "usage")
 
     def __init__(self) -> None:
         self.usage: dict[str, Any] | None = None
         self._tail = b""
+        self._last = b""  # the complete events of the last chunk that held a usage object
 
     def feed(self, chunk: bytes) -> bytes:
         """Look at `chunk`; returns it (all of it goes to the client)."""
+        if not self._tail and chunk.endswith(b"\n\n"):  # whole events: the common case
+            if chunk.find(_USAGE_MARKER) != -1 and usage_object_follows(chunk) != -1:
+                self._last = chunk
+            return chunk
         given = chunk
         if self._tail:
             chunk = self._tail + chunk
@@ -100,17 +114,18 @@ class UsageScanner:
             if len(chunk) - cut <= MAX_USAGE_BUFFER:  # else: not SSE we understand; drop it
                 self._tail = chunk[cut:]
             chunk = chunk[:cut]
-        if usage_object_follows(chunk) == -1:
-            return given
-        for event in chunk.split(b"\n\n"):
-            if usage_object_follows(event) != -1:
-                usage = usage_from_event(event)
-                if usage is not None:
-                    self.usage = usage
+        if usage_object_follows(chunk) != -1:
+            self._last = chunk
         return given
 
     def finish(self) -> dict[str, Any] | None:
-        """The usage seen, after also trying an unterminated final event."""
+        """The usage of the last event that carried one, after also trying an unterminated final event."""
+        if self._last:
+            for event in reversed(self._last.split(b"\n\n")):
+                if usage_object_follows(event) != -1 and (usage := usage_from_event(event)) is not None:
+                    self.usage = usage
+                    break
+            self._last = b""
         if self._tail:
             usage = usage_from_event(self._tail)
             if usage is not None:

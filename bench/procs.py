@@ -107,6 +107,20 @@ def wait_chat_ready(started: Started, base_url: str, model: str, timeout: float 
     return f"not ready within {timeout:.0f} s (last: {last})\n{started.log_tail()}"
 
 
+STANDIN_MODEL = "standin"
+STANDIN_TIMING = {"ttft_ms": 20, "itl_ms": 10, "tokens": 32}  # 34 SSE chunks per answer
+
+
+def start_standin(procs: Processes, *, core: int | None) -> tuple[Started, str]:
+    """The benches' stand-in engine (tests/standin.py, STANDIN_TIMING): its process and its URL."""
+    port = free_port()
+    timing = STANDIN_TIMING
+    argv = [PYTHON, "-m", "tests.standin", "--port", str(port), "--model", STANDIN_MODEL,
+            "--ttft-ms", str(timing["ttft_ms"]), "--itl-ms", str(timing["itl_ms"]),
+            "--tokens", str(timing["tokens"]), "--max-model-len", "32768"]  # fmt: skip
+    return procs.start("standin", argv, core=core), f"http://127.0.0.1:{port}"
+
+
 def free_port() -> int:
     import socket
 

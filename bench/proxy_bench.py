@@ -32,9 +32,18 @@ from pathlib import Path
 import httpx
 
 from bench.loadgen import summarize
-from bench.procs import PYTHON, Processes, Started, free_port, wait_chat_ready
+from bench.procs import (
+    PYTHON,
+    STANDIN_MODEL,
+    STANDIN_TIMING,
+    Processes,
+    Started,
+    free_port,
+    start_standin,
+    wait_chat_ready,
+)
 
-MODEL = "standin"
+MODEL = STANDIN_MODEL
 CONCURRENCIES = (4, 64, 128, 512)
 LATENCY_AT, CPU_AT, THROUGHPUT_AT, ERRORS_AT = 4, 64, 128, 512
 ENGINE_CORE, PROXY_CORE = 0, 1
@@ -334,18 +343,11 @@ def main(argv: list[str] | None = None) -> int:
         "method": METHOD.format(
             warmup=args.warmup, duration=args.duration, rounds=args.rounds, low_window=args.low_duration / args.rounds
         ),
-        "stand_in": {"ttft_ms": 20, "itl_ms": 10, "tokens": 32},
+        "stand_in": dict(STANDIN_TIMING),
     }
     trim = None
     with Processes() as procs:
-        engine_port = free_port()
-        engine = procs.start(
-            "standin",
-            [PYTHON, "-m", "tests.standin", "--port", str(engine_port), "--model", MODEL, "--ttft-ms", "20",
-             "--itl-ms", "10", "--tokens", "32", "--max-model-len", "32768"],
-            core=ENGINE_CORE,
-        )  # fmt: skip
-        engine_url = f"http://127.0.0.1:{engine_port}"
+        engine, engine_url = start_standin(procs, core=ENGINE_CORE)
         error = wait_chat_ready(engine, engine_url, MODEL)
         if error:
             print(f"the stand-in engine did not start: {error}", file=sys.stderr)

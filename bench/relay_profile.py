@@ -26,9 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-from bench.procs import PYTHON, Processes, free_port, wait_chat_ready
+from bench.procs import PYTHON, STANDIN_MODEL, Processes, free_port, start_standin, wait_chat_ready
 
-MODEL = "standin"
+MODEL = STANDIN_MODEL
 STREAMS = 64
 # A sample belongs to the first of these whose pattern matches any frame of its stack (what the
 # code was doing on behalf of: a JSON encode inside the access log is the access log's)...
@@ -117,14 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                     "loadavg_before": loadavg(), "seconds": args.seconds, "rate": args.rate}  # fmt: skip
     args.output.mkdir(parents=True, exist_ok=True)
     with Processes() as procs:
-        engine_port, port = free_port(), free_port()
-        engine = procs.start(
-            "standin",
-            [PYTHON, "-m", "tests.standin", "--port", str(engine_port), "--model", MODEL, "--ttft-ms", "20",
-             "--itl-ms", "10", "--tokens", "32", "--max-model-len", "32768"],
-            core=0,
-        )  # fmt: skip
-        engine_url = f"http://127.0.0.1:{engine_port}"
+        port = free_port()
+        engine, engine_url = start_standin(procs, core=0)
         gateway = procs.start(
             "gateway", [PYTHON, "-m", "server", "serve", "--upstream", f"{MODEL}={engine_url}", "--port", str(port)],
             core=1,

@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 
 from bench.loadgen import summarize
-from bench.procs import PYTHON, Processes, Started, free_port, wait_chat_ready
+from bench.procs import PYTHON, Processes, Started, free_port, start_standin, wait_chat_ready
 from bench.proxy_bench import MODEL, engine_stats, git_commit, loadavg, machine
 
 ALL_PATHS = ("direct", "vllm-router", "gateway x1", "gateway x2")
@@ -274,14 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_before": loadavg(),
     }
     with Processes() as procs:
-        engine_port = free_port()
-        engine = procs.start(
-            "standin",
-            [PYTHON, "-m", "tests.standin", "--port", str(engine_port), "--model", MODEL, "--ttft-ms", "20",
-             "--itl-ms", "10", "--tokens", "32", "--max-model-len", "32768"],
-            core=0,
-        )  # fmt: skip
-        engine_url = f"http://127.0.0.1:{engine_port}"
+        engine, engine_url = start_standin(procs, core=0)
         if error := wait_chat_ready(engine, engine_url, MODEL):
             print(f"the stand-in engine did not start: {error}", file=sys.stderr)
             return 1

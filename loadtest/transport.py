@@ -272,10 +272,15 @@ class HTTPClient:
         self._keys.pop(connection, None)
 
     async def aclose(self) -> None:
-        for connection in list(self._open):
+        closing = list(self._open)
+        for connection in closing:
             connection.close()
         self._open.clear()
         self._idle.clear()
+        if closing:
+            # A transport closes its socket on the loop's next turn: give it that turn, or a loop
+            # that ends right after this leaves the sockets open (ResourceWarning when collected).
+            await asyncio.sleep(0)
 
     async def __aenter__(self) -> Self:
         return self

@@ -38,9 +38,11 @@ from server.gateway.engines.scoring import Candidate
 
 log = logging.getLogger("gateway.routing")
 
-# Characters per token assumed when sizing an approximate record from an engine's cache in tokens:
-# high for most tokenizers, so the record holds at least what the engine can.
+# Characters per token assumed when sizing an approximate record from an engine's cache in tokens,
+# until the engine's own counters say better: high for most tokenizers, so the record holds at least
+# what the engine can. Learned per engine (`_CharsPerToken`) between 1 and this.
 CHARS_PER_TOKEN = 4
+LEARN_AFTER_TOKENS = 4096  # prompt tokens an engine must count before a ratio is learned from them
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default on GPU, when neither events, metrics nor profile say
 
 
@@ -49,6 +51,7 @@ class PromptView:
     """One request's prompt, cut into blocks for the prefix indexes."""
 
     text_keys: list[BlockKey]
+    chars: int = 0  # the prompt text's length (what the text blocks cover)
     tokens: list[int] | None = None  # the engine's token ids, when /tokenize answered
     namespace: str = ""  # the LoRA adapter it runs with ("" for the base model)
     _token_keys: dict[int, list[BlockKey]] = field(default_factory=dict, repr=False)
@@ -121,7 +124,8 @@ class CacheState:
         self.precise = precise if precise is not None else PreciseIndex()
         self.tokenize = tokenize
         self.block_chars = block_chars
-        self._capacity: dict[str, float] = {}
+        self._capacity: dict[str, tuple[float, float]] = {}  # engine id -> (KV tokens, chars per token) sized for
+        self._ratios: dict[str, _CharsPerToken] = {}
 
     def precise_ready(self, engines: Sequence[Engine]) -> bool:
         """Every one of `engines` has live KV events."""
@@ -141,7 +145,7 @@ class CacheState:
         if text is None:
             return None
         namespace = adapter or ""
-        view = PromptView(text_blocks(text, self.block_chars, namespace=namespace), namespace=namespace)
+        view = PromptView(text_blocks(text, self.block_chars, namespace=namespace), len(text), namespace=namespace)
         live = [e for e in engines if e.healthy]
         if precise and self.tokenize is not None and len(live) > 1 and self.precise_ready(live):
             view.tokens = await self.tokenize(model, min(live, key=lambda e: e.outstanding), body)
@@ -184,13 +188,51 @@ class CacheState:
         """`prompt` was routed to `engine`: the approximate record, and speculative precise entries."""
         if prompt is None:
             return
+        self._ratio(engine).chars += prompt.chars
         self._size_record(engine)
         self.approximate.record(engine.id, prompt.text_keys, now)
         if prompt.tokens is not None:
             self.precise.speculate(engine.id, prompt.token_keys(self.block_size(engine, configured_block_size)), now)
 
+    def _ratio(self, engine: Engine) -> _CharsPerToken:
+        ratio = self._ratios.get(engine.id)
+        if ratio is None:
+            ratio = self._ratios[engine.id] = _CharsPerToken()
+        return ratio
+
     def _size_record(self, engine: Engine) -> None:
+        """The approximate record holds about what the engine's KV cache does: its capacity in
+        tokens, in characters at the engine's learned characters per token, in text blocks."""
         tokens = engine.metrics.kv_capacity_tokens or engine.planned_kv_tokens
-        if tokens and self._capacity.get(engine.id) != tokens:
-            self._capacity[engine.id] = tokens
-            self.approximate.set_capacity(engine.id, int(tokens * CHARS_PER_TOKEN / self.block_chars))
+        ratio = self._ratio(engine).learn(engine.metrics.prefix_queries_tokens)
+        if tokens and self._capacity.get(engine.id) != (tokens, ratio):
+            self._capacity[engine.id] = (tokens, ratio)
+            self.approximate.set_capacity(engine.id, int(tokens * ratio / self.block_chars))
+
+
+@dataclass
+class _CharsPerToken:
+    """One engine's characters per prompt token, from the prompt text routed to it and the prompt
+    tokens its prefix cache was asked about (`vllm:prefix_cache_queries`, scraped).
+
+    The tiny model's tokenizer makes about 1.9 characters a token: sized at 4, the approximate
+    record remembered twice what the engine's cache holds and kept routing to blocks long evicted.
+    Tokens the engine counts for prompts this process did not route (other gateway workers or
+    clients) lower the ratio, so the record errs small: it is kept between 1 and CHARS_PER_TOKEN.
+    """
+
+    value: float = CHARS_PER_TOKEN
+    chars: int = 0  # prompt characters routed to the engine since `since` was read
+    since: float | None = None  # the engine's counter when `chars` started
+
+    def learn(self, counted: float | None) -> float:
+        if counted is None:
+            return self.value
+        if self.since is None or counted < self.since:  # the first reading, or the engine restarted
+            self.since, self.chars = counted, 0
+            return self.value
+        grown = counted - self.since
+        if grown >= LEARN_AFTER_TOKENS and self.chars:
+            self.value = min(CHARS_PER_TOKEN, max(1.0, self.chars / grown))
+            self.since, self.chars = counted, 0
+        return self.value

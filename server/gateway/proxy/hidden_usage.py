@@ -39,6 +39,7 @@ from server.gateway.proxy.sse import MAX_USAGE_BUFFER, usage_object_follows
 _ASK = b'"stream_options":{"include_usage":true},'
 _FINISHED = b'"finish_reason":"'  # a choice's last chunk: `"finish_reason":null` on the others
 _FINGERPRINT = b'"system_fingerprint":'
+_USAGE = b'"usage":'
 _END = b"\n\n"
 MAX_FINGERPRINTS = 4096  # engines remembered; beyond that the memory starts afresh
 
@@ -105,6 +106,14 @@ class HiddenUsage:
         self._engine = engine
 
     def feed(self, chunk: bytes) -> bytes:
+        if (  # most chunks: whole events, nothing held, no usage, no finished choice: passed on as they are
+            not self._tail
+            and not self._held
+            and chunk.endswith(_END)
+            and chunk.find(_USAGE) == -1
+            and chunk.find(_FINISHED) == -1
+        ):
+            return chunk
         if self._tail:
             chunk = self._tail + chunk
             self._tail = b""

@@ -165,8 +165,14 @@ def commit_of(source: str) -> str:
     return done.stdout.strip() or source
 
 
-async def start_engines(plan: DeploymentPlan) -> list[EngineSupervisor]:
-    """The plan's engines, supervised, ready (the same supervisor `python -m server up` uses)."""
+async def start_engines(plan: DeploymentPlan, *, pin: bool = False) -> list[EngineSupervisor]:
+    """The plan's engines, supervised, ready (the same supervisor `python -m server up` uses).
+
+    With `pin`, replica i runs on core i (mod the cores): the replicas are separate compute, as two
+    GPUs are. Unpinned, two replicas on a shared CPU share its cores, so one replica doing all the
+    work loses no compute and a policy that piles every request onto one replica is not punished
+    in TTFT. The affinity is set as soon as the API server process exists, before it starts its
+    engine-core process and threads, which inherit it (and size their thread pools by it)."""
     for model in plan.models:
         if model.profile is not None:
             prepare(model.profile)
@@ -175,8 +181,13 @@ async def start_engines(plan: DeploymentPlan) -> list[EngineSupervisor]:
         for e in plan.engines
     ]
     try:
-        for supervisor in supervisors:
+        cores = sorted(os.sched_getaffinity(0))
+        for index, supervisor in enumerate(supervisors):
             await supervisor.start()
+            if pin and supervisor.pid is not None:
+                core = cores[index % len(cores)]
+                os.sched_setaffinity(supervisor.pid, {core})
+                say(f"engine {supervisor.name} pinned to core {core}")
         started = time.perf_counter()
         waits = [asyncio.ensure_future(s.wait_ready()) for s in supervisors]
         while not all(w.done() for w in waits):
@@ -458,7 +469,8 @@ def report_markdown(results: list[PhaseResult], meta: dict[str, Any], goals: dic
         "",
         f"Workload: {meta['workload']}; {meta['requests_per_phase']} requests per policy, "
         f"{meta['concurrency']} conversations at a time, temperature 0, the gateway's trimming {meta['trimming']}.",
-        f"Engines: {meta['engines']} ({meta['profile']}).",
+        f"Engines: {meta['engines']} ({meta['profile']})"
+        + ("; replica i pinned to core i." if meta.get("engines_pinned") else "."),
         "",
         "| round | policy | requests (failed) | cached share (cached_tokens) | engines' hits/queries | "
         "TTFT p50 ms | TTFT p90 ms | split | routing reasons | s |",
@@ -500,6 +512,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--weights-index", choices=CACHE_AWARE, default="precise", help="index of the --weights runs")
     parser.add_argument("--rounds", type=int, default=1, help="repeat every policy this many times (same engines)")
     parser.add_argument("--concurrency", type=int, default=4, help="conversations in flight")
+    parser.add_argument(
+        "--pin-engines",
+        action="store_true",
+        help="replica i on core i only (separate compute, as on GPUs); the gateway and load tester float",
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     parser.add_argument(
         "--code",
@@ -562,6 +579,7 @@ async def experiment(args: argparse.Namespace, argv: list[str]) -> int:
         "requests_per_phase": workload.requests,
         "concurrency": args.concurrency,
         "trimming": args.trimming,
+        "engines_pinned": args.pin_engines,
         "engines": engines,
         "profile": str(plan.models[0].profile_path.relative_to(ROOT)) if plan.models[0].profile_path else None,
         "phases": [p.__dict__ for p in todo],
@@ -597,7 +615,7 @@ async def run_all(
 ) -> None:  # fmt: skip
     """Start the engines, run every phase of every round, stop the engines (on any exit)."""
     code = gateway_code(workdir, args.code)
-    supervisors = await start_engines(plan)
+    supervisors = await start_engines(plan, pin=args.pin_engines)
     try:
         with Processes(workdir) as processes:
             for round_ in range(1, args.rounds + 1):

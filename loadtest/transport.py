@@ -51,6 +51,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.waiter: asyncio.Future | None = None
+        self.gone: asyncio.Future | None = None  # done once the transport has let go of its socket
         self.reset()
 
     def reset(self) -> None:
@@ -68,6 +69,7 @@ class _Connection(asyncio.Protocol):
     # asyncio.Protocol
     def connection_made(self, transport) -> None:
         self.transport = transport
+        self.gone = asyncio.get_running_loop().create_future()
 
     def data_received(self, data: bytes) -> None:
         self._now = self.clock()  # the arrival time of every chunk in this read
@@ -81,6 +83,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.gone is not None and not self.gone.done():
+            self.gone.set_result(None)
         if not self.body_done and self.failure is None:
             self.failure = str(exc) if exc else "the server closed the connection"
         self._wake()
@@ -181,6 +185,7 @@ class HTTPClient:
         self._slots = asyncio.Semaphore(max_connections) if max_connections else None
         self._targets: dict[str, tuple[tuple[str, int, bool], bytes]] = {}
         self._open: set[_Connection] = set()
+        self._closing: set[_Connection] = set()  # closed, their transports not yet gone
         self._keys: dict[_Connection, tuple[str, int, bool]] = {}
 
     def _target(self, url: str) -> tuple[tuple[str, int, bool], bytes]:
@@ -266,21 +271,36 @@ class HTTPClient:
     def _drop(self, connection: _Connection) -> None:
         connection.close()
         self._forget(connection)
+        self._track_closing(connection)
+
+    def _track_closing(self, connection: _Connection) -> None:
+        """A closed connection whose transport may still be shutting down (TLS close_notify)."""
+        gone = connection.gone
+        if gone is not None and not gone.done():
+            self._closing.add(connection)
+            gone.add_done_callback(lambda _: self._closing.discard(connection))
 
     def _forget(self, connection: _Connection) -> None:
         self._open.discard(connection)
         self._keys.pop(connection, None)
 
     async def aclose(self) -> None:
-        closing = list(self._open)
-        for connection in closing:
+        for connection in list(self._open):
             connection.close()
+            self._track_closing(connection)
         self._open.clear()
         self._idle.clear()
+        # A transport lets go of its socket on a later turn of the loop (a TLS one after its
+        # close_notify): wait for that, bounded, or a loop that ends right after this leaves the
+        # sockets open (a ResourceWarning in whatever collects them).
+        closing = [c for c in self._closing if c.gone is not None]
         if closing:
-            # A transport closes its socket on the loop's next turn: give it that turn, or a loop
-            # that ends right after this leaves the sockets open (ResourceWarning when collected).
+            await asyncio.wait([c.gone for c in closing if c.gone is not None], timeout=2.0)
+            for connection in closing:
+                if not connection.closed and connection.transport is not None:
+                    connection.transport.abort()
             await asyncio.sleep(0)
+        self._closing.clear()
 
     async def __aenter__(self) -> Self:
         return self

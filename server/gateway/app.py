@@ -132,7 +132,7 @@ def create_app(
     )
     metrics.registry.register(KvEventsCollector(cache.precise, {e.id: e.model for e in upstreams.engines()}))
     timeout = httpx.Timeout(settings.timeouts.first_byte, connect=settings.timeouts.connect)
-    trimming = HistoryTrimming(lookup=make_lookup(upstreams, client, settings.routing, timeout), metrics=metrics)
+    trimming = HistoryTrimming(lookup=make_lookup(upstreams, client, timeout), metrics=metrics)
 
     async def startup() -> None:
         await discovery.start()  # engines found by DNS join after their first health check

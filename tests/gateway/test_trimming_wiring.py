@@ -84,7 +84,7 @@ async def test_tool_definitions_are_sent_to_the_engines_tokenizer(engines):
     tools = [{"type": "function", "function": {"name": "search_places", "parameters": {"type": "object"}}}]
     messages = [{"role": "user", "content": "find museums"}]
     async with httpx.AsyncClient() as client:
-        target = EngineTrimTarget(upstreams.models["standin"], client, settings.routing, httpx.Timeout(5.0))
+        target = EngineTrimTarget(upstreams.models["standin"], client, httpx.Timeout(5.0))
         await target.tokenize(messages, True, tools=tools)
         assert engine.stats()["last_tokenize"]["body"]["tools"] == tools
         await target.tokenize(messages, True)
@@ -105,7 +105,7 @@ async def test_counting_tokens_takes_no_routing_turn_and_counts_no_request(engin
         engine.healthy = True
     chosen = []
     async with httpx.AsyncClient() as client:
-        target = EngineTrimTarget(pool, client, settings.routing, httpx.Timeout(5.0))
+        target = EngineTrimTarget(pool, client, httpx.Timeout(5.0))
         for _ in range(4):
             decision = pool.route(settings.routing)
             assert decision is not None

@@ -14,7 +14,6 @@ import httpx
 
 from server.engine.profiles import TrimmingConfig
 from server.gateway.engines.pool import ModelPool
-from server.gateway.settings import Routing
 from server.gateway.trimming.core import Message
 
 
@@ -32,10 +31,9 @@ class TokenizeFailed(RuntimeError):
 class EngineTrimTarget:
     """A served model as a trimming target: `max_model_len`, `trimming`, `tokenize(...)`."""
 
-    def __init__(self, pool: ModelPool, client: httpx.AsyncClient, routing: Routing, timeout: httpx.Timeout) -> None:
+    def __init__(self, pool: ModelPool, client: httpx.AsyncClient, timeout: httpx.Timeout) -> None:
         self.pool = pool
         self.client = client
-        self.routing = routing
         self.timeout = timeout
 
     @property
@@ -73,10 +71,10 @@ class EngineTrimTarget:
 
 
 def make_lookup(
-    pools: Pools, client: httpx.AsyncClient, routing: Routing, timeout: httpx.Timeout
+    pools: Pools, client: httpx.AsyncClient, timeout: httpx.Timeout
 ) -> Callable[[str], Awaitable[EngineTrimTarget | None]]:
     """`lookup(model)` for HistoryTrimming: None for an unknown model (the router answers 404)."""
-    targets = {name: EngineTrimTarget(pool, client, routing, timeout) for name, pool in pools.models.items()}
+    targets = {name: EngineTrimTarget(pool, client, timeout) for name, pool in pools.models.items()}
 
     async def lookup(model: str) -> EngineTrimTarget | None:
         return targets.get(model)

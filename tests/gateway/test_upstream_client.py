@@ -100,3 +100,103 @@ def test_an_injected_httpx_client_carries_the_proxied_traffic(gateway):
 
 async def _record(sent, request):
     sent.append(request)
+
+
+async def _splice(response, *, full_after: int | None = None):
+    """Splice `response` into a list; the sink says "full" from chunk `full_after` on."""
+    got: list[bytes] = []
+    drains = []
+
+    def sink(chunk: bytes) -> bool:
+        got.append(chunk)
+        return full_after is not None and len(got) >= full_after
+
+    async def drain() -> None:
+        drains.append(len(got))
+        assert response._connection.paused  # the engine's socket is not read while the client is full
+
+    await response.splice(sink, drain)
+    return got, drains
+
+
+async def test_a_spliced_body_reaches_the_sink_in_order_and_the_connection_is_reused(server_url):
+    transport = UpstreamTransport(max_connections=2)
+    target = transport.target(f"{server_url}/slow-body")
+    response = await transport.post(target, [], b"x")
+    assert await response.read_chunk() == b"hel"  # the proxy reads the first chunk itself, then splices
+    got, drains = await _splice(response)
+    await response.aclose()
+    assert (got, drains) == ([b"lo"], [])
+    assert transport.idle_connections() == 1
+    await transport.aclose()
+
+
+async def test_a_full_sink_pauses_the_engine_socket_until_it_drains(server_url):
+    transport = UpstreamTransport(max_connections=2)
+    response = await transport.post(transport.target(f"{server_url}/slow-body"), [], b"x")
+    got, drains = await _splice(response, full_after=1)
+    await response.aclose()
+    assert b"".join(got) == b"hello"
+    assert drains and not response._connection.paused  # drained, then reading resumed
+    assert transport.idle_connections() == 1  # the whole body was read: reusable
+    await transport.aclose()
+
+
+async def test_a_failing_sink_fails_the_splice_and_closes_the_connection(server_url):
+    transport = UpstreamTransport(max_connections=2)
+    response = await transport.post(transport.target(f"{server_url}/slow-body"), [], b"x")
+    await response.read_chunk()
+
+    def sink(chunk: bytes) -> bool:
+        raise ValueError("the relay's own bug")
+
+    async def drain() -> None:
+        raise AssertionError("not full")
+
+    with pytest.raises(ValueError, match="own bug"):
+        await response.splice(sink, drain)
+    await response.aclose()
+    assert transport.idle_connections() == 0
+    await transport.aclose()
+
+
+async def test_an_engine_that_dies_mid_body_fails_the_splice_with_an_httpx_error():
+    async def handle(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(1)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nhel\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    transport = UpstreamTransport()
+    response = await transport.post(transport.target(f"http://127.0.0.1:{port}/"), [], b"x")
+    got: list[bytes] = []
+
+    async def drain() -> None:
+        pass
+
+    with pytest.raises(httpx.RemoteProtocolError):
+        await response.splice(lambda chunk: got.append(chunk) or False, drain)
+    assert got == [b"hel"]
+    await response.aclose()
+    server.close()
+    await server.wait_closed()
+
+
+async def test_under_another_asgi_server_the_body_goes_through_its_send():
+    from server.gateway.edge.protocol import SendWriter, body_writer
+
+    messages = []
+
+    async def send(message):
+        messages.append(message)
+
+    writer = body_writer(send)
+    assert isinstance(writer, SendWriter)
+    assert writer.write(b"a") and writer.write(b"b")  # every write asks for a drain
+    await writer.drain()
+    await writer.drain()  # nothing pending: nothing sent
+    assert messages == [{"type": "http.response.body", "body": b"ab", "more_body": True}]

@@ -10,7 +10,10 @@ server needs and uvicorn does not do by itself:
 - malformed HTTP (bad Content-Length, Content-Length with Transfer-Encoding, a bad chunk size,
   an unknown method) is answered 400 in the OpenAI error envelope, not in plain text;
 - the app can abort a request's connection (`abort_connection(send)`): a stream whose client
-  stopped reading is closed without waiting for the unsent bytes to drain.
+  stopped reading is closed without waiting for the unsent bytes to drain;
+- the app can write a started streamed body straight to the connection (`body_writer(send)`):
+  the relay frames each chunk and writes it from the engine connection's callback, without an
+  ASGI message, uvicorn's `send` and a task step per chunk.
 """
 
 from __future__ import annotations
@@ -150,6 +153,70 @@ def abort_connection(send: Any) -> bool:
         cycle.disconnected = True
     transport.abort()
     return True
+
+
+class ChunkedWriter:
+    """A started chunked response's body, written straight to the client's transport (`body_writer`).
+
+    `write` frames one HTTP/1.1 chunk and writes it at once; it returns True when the client's
+    buffer is above its high-water mark (uvicorn's flow control), and then the caller waits for
+    `drain()` before writing more. A client that has gone is written nothing. The response is
+    still ended through uvicorn's `send` (it writes the last chunk and keeps the connection's
+    state for keep-alive).
+    """
+
+    __slots__ = ("_cycle", "_flow", "_transport")
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle
+        self._flow = cycle.flow
+        self._transport = cycle.transport
+
+    def write(self, data: bytes) -> bool:
+        if self._cycle.disconnected:
+            return False
+        self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        return self._flow.write_paused  # type: ignore[no-any-return]
+
+    async def drain(self) -> None:
+        if self._flow.write_paused and not self._cycle.disconnected:
+            await self._flow.drain()
+
+
+class SendWriter:
+    """The same interface over any ASGI `send` (under a server other than the gateway's own): every
+    write asks for a drain, which sends what was written as one body message."""
+
+    __slots__ = ("_pending", "_send")
+
+    def __init__(self, send: Any) -> None:
+        self._send = send
+        self._pending: list[bytes] = []
+
+    def write(self, data: bytes) -> bool:
+        self._pending.append(data)
+        return True
+
+    async def drain(self) -> None:
+        if self._pending:
+            body = b"".join(self._pending)
+            self._pending.clear()
+            await self._send({"type": "http.response.body", "body": body, "more_body": True})
+
+
+def body_writer(send: Any) -> ChunkedWriter | SendWriter:
+    """How to write the body of the response `send` has started: straight to uvicorn's transport
+    when `send` is uvicorn's and the response is chunked, else through `send`."""
+    cycle: Any = getattr(send, "__self__", None)
+    if (
+        getattr(cycle, "chunked_encoding", None) is True
+        and getattr(cycle, "response_started", False)
+        and not getattr(cycle, "response_complete", True)
+        and hasattr(cycle, "flow")
+        and hasattr(cycle, "transport")
+    ):
+        return ChunkedWriter(cycle)
+    return SendWriter(send)
 
 
 def protocol_for(settings: Any) -> type[HttpToolsProtocol]:

@@ -2,8 +2,9 @@
 
 It sends the body bytes it is given (`GatewayRequest.raw`) and answers as the engine answers:
 same status, same headers (minus hop-by-hop ones), same bytes. Streams are relayed chunk by
-chunk as they arrive; per chunk the only extra work is two `bytes.find` calls (first token,
-usage). A streamed chat/completions request whose client did not ask for usage is sent with
+chunk as they arrive, spliced from the engine's connection into the client's (no ASGI message or
+task step per chunk: `_relay_stream`); per chunk the only extra work is two `bytes.find` calls
+(first token, usage). A streamed chat/completions request whose client did not ask for usage is sent with
 `include_usage` anyway and its usage chunk is taken out of the client's stream (hidden_usage:
 one more `find` per chunk), so that every stream's tokens are counted.
 
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from server.gateway.edge.asgi import Headers, Receive, Send
-from server.gateway.edge.protocol import abort_connection
+from server.gateway.edge.protocol import abort_connection, body_writer
 from server.gateway.edge.requests import GatewayRequest
 from server.gateway.edge.targets import body_for, excluded
 from server.gateway.engines.engine import Engine
@@ -277,20 +278,28 @@ class Exchange:
             raise  # pragma: no cover - _raise always raises
 
     async def _relay_stream(self, response: UpstreamResponse, engine: Engine) -> None:
-        """Relay an SSE stream chunk by chunk; a failure after the first chunk ends it with an error event."""
+        """Relay an SSE stream chunk by chunk; a failure after the first chunk ends it with an error event.
+
+        After the first chunk the engine's body is spliced into the client's connection: each chunk
+        is handled by `sink`, called by the upstream connection as it parses the chunk, which
+        stamps it (first token, inter-token latency, the idle deadline), takes the usage out when
+        the client did not ask for it, and writes it to the client's transport (edge.protocol's
+        ChunkedWriter). No ASGI message, future or task step per chunk; when the client's buffer
+        is full the engine's socket is paused until it drains (the relay then waits on the
+        client: a deadline passing there is the client's stall).
+        """
         send = self.send
         record = self.record
-        read_chunk = response.read_chunk  # b"" at the end; no async-generator layer per chunk
         try:
-            first = await read_chunk()
+            first = await response.read_chunk()
         except httpx.HTTPError as exc:
             self._raise(exc, engine, Stage.FIRST_CHUNK)
         await self._start(response.status_code, response.headers)
-        now = perf_counter()
         deadlines = self.deadlines
         if deadlines is not None:
-            deadlines.streaming(now)
+            deadlines.streaming(perf_counter())
         metrics = self.proxy.metrics
+        inter_token = metrics.inter_token
         model = self.request.model
         stream_format = self.request.endpoint.stream_format
         has_token = stream_format.has_token
@@ -298,59 +307,60 @@ class Exchange:
         hidden = self.hidden = HiddenUsage(self.proxy.fingerprints, engine.id) if self.hide_usage else None
         scanner: UsageScanner | HiddenUsage = hidden if hidden is not None else UsageScanner()
         feed = scanner.feed
-        last = first
-        if has_token(first):
-            self._first_token(now)
-        out = feed(first)
-        if out:
-            await send({"type": "http.response.body", "body": out, "more_body": True})
-        sending = False  # the relay waits for the client to take a chunk (flow control), not for the engine
+        writer = body_writer(send)
+        write = writer.write
+
+        def sink(chunk: bytes) -> bool:
+            now = perf_counter()
+            if deadlines is not None:
+                deadlines.last = now
+            if has_token(chunk):
+                if record.first_token_at:
+                    inter_token(model, now - record.last_token_at)
+                    record.last_token_at = now
+                else:
+                    self._first_token(now)
+            out = feed(chunk)
+            if out:
+                self.last = out
+                return write(out)
+            return False
+
+        async def drain() -> None:
+            self.stalled = True  # the relay waits for the client, not for the engine
+            await writer.drain()
+            self.stalled = False
+
+        self.last = first
         try:
-            while chunk := await read_chunk():
-                now = perf_counter()
-                if deadlines is not None:
-                    deadlines.last = now
-                if has_token(chunk):
-                    if record.first_token_at:
-                        metrics.inter_token(model, now - record.last_token_at)
-                        record.last_token_at = now
-                    else:
-                        self._first_token(now)
-                out = feed(chunk)
-                if out:
-                    last = out
-                    sending = True
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
-                    sending = False
+            if sink(first):
+                await drain()
+            await response.splice(sink, drain)
+            await drain()
         except httpx.HTTPError as exc:
             if deadlines is not None:
                 deadlines.disarm()
+            await drain()
             held = self._take_held()
             if held:
-                last = held
+                self.last = held
                 await send({"type": "http.response.body", "body": held, "more_body": True})
-            if not stream_format.finished(last):
+            if not stream_format.finished(self.last):
                 failure = self._failed(exc, engine, Stage.STREAM)
                 record.error = failure.error.message
                 log.warning("request %s: %s", record.request_id, failure.error.message)
                 await send(
                     {
                         "type": "http.response.body",
-                        "body": stream_format.error_event(failure.error, last),
+                        "body": stream_format.error_event(failure.error, self.last),
                         "more_body": True,
                     }
                 )
-        except asyncio.CancelledError:  # a deadline: its error event follows the last chunk (see run)
-            self.last = last
-            self.stalled = sending
-            raise
+        # asyncio.CancelledError (a deadline) passes: its error event follows self.last (see run)
         if deadlines is not None:
             deadlines.disarm()
         record.usage = scanner.finish()
-        rest = self._take_held()
-        if rest:
-            await send({"type": "http.response.body", "body": rest, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await send({"type": "http.response.body", "body": self._take_held(), "more_body": False})
 
     def _take_held(self) -> bytes:
         """Bytes the usage filter held back (see proxy.hidden_usage), to send before the stream ends."""

@@ -16,7 +16,10 @@ exceptions, and underneath:
 - a pooled connection that fails before any answer is retried once on a fresh one (the engine
   closed it while it was idle; the request never reached it);
 - no timer per read unless the request asks for a read timeout (the proxy keeps its own
-  deadlines); a body the caller does not drain makes the connection pause reading.
+  deadlines); a body the caller does not drain makes the connection pause reading;
+- a body can be spliced (`_Body.splice`): each chunk goes to the caller's sink from the
+  protocol's own callback as httptools parses it, with no future, task step or buffer per chunk,
+  and reading pauses while the sink's consumer is full.
 
 HTTP/1.1 only, for requests whose answers have a body (POST, and GET of a stored response; no
 HEAD): that is what engines speak. The interface the proxy sees is `proxy.upstream.Upstream`.
@@ -28,7 +31,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +66,8 @@ class _Connection(asyncio.Protocol):
         self.chunks: deque[bytes] = deque()
         self.buffered = 0
         self.paused = False
+        self.sink: Callable[[bytes], bool] | None = None  # set while spliced (see _Body.splice)
+        self.sink_error: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
@@ -97,11 +102,22 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        sink = self.sink
+        if sink is not None:
+            try:
+                full = sink(body)
+            except Exception as exc:  # noqa: BLE001 - the caller's failure: splice() raises it, not the parser
+                self.sink, self.sink_error = None, exc
+                self.close()
+                self._wake()
+                return
+            if full:
+                self._pause()
+            return
         self.chunks.append(body)
         self.buffered += len(body)
-        if self.buffered > _PAUSE_ABOVE and not self.paused and self.transport is not None:
-            self.transport.pause_reading()
-            self.paused = True
+        if self.buffered > _PAUSE_ABOVE:
+            self._pause()
         self._wake()
 
     def on_message_complete(self) -> None:
@@ -109,6 +125,18 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     # -- used by the transport -------------------------------------------------------------------
+
+    def _pause(self) -> None:
+        if not self.paused and self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+            self.paused = True
+            self._wake()
+
+    def _resume(self) -> None:
+        if self.paused:
+            self.paused = False
+            if self.transport is not None and not self.closed:
+                self.transport.resume_reading()
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -145,25 +173,51 @@ class _Connection(asyncio.Protocol):
                 )
             await self._wait(timeout)
 
-    async def read_chunk(self, timeout: float | None) -> bytes:
-        """The body bytes received since the last call (b"" at the end of the body)."""
+    def _body_failed(self) -> httpx.RemoteProtocolError:
+        return httpx.RemoteProtocolError(
+            f"peer closed connection without sending complete message body ({self.failure})", request=self.request
+        )
+
+    def _take(self) -> bytes:
         chunks = self.chunks
-        while not chunks:
-            if self.body_done:
-                return b""
-            if self.failure is not None:
-                raise httpx.RemoteProtocolError(
-                    f"peer closed connection without sending complete message body ({self.failure})",
-                    request=self.request,
-                )
-            await self._wait(timeout)
         data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
         self.buffered = 0
-        if self.paused and self.transport is not None:
-            self.paused = False
-            self.transport.resume_reading()
+        self._resume()
         return data
+
+    async def read_chunk(self, timeout: float | None) -> bytes:
+        """The body bytes received since the last call (b"" at the end of the body)."""
+        while not self.chunks:
+            if self.body_done:
+                return b""
+            if self.failure is not None:
+                raise self._body_failed()
+            await self._wait(timeout)
+        return self._take()
+
+    async def splice(self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]]) -> None:
+        """Hand the rest of the body to `sink` chunk by chunk, from `on_body`, until it ends. `sink`
+        returns True when its consumer is full: reading pauses until `drain()` returns. Raises
+        what `read_chunk` raises, and what `sink` raised. No read timeout: the caller keeps its own."""
+        try:
+            if self.chunks and sink(self._take()):
+                self._pause()
+            self.sink = sink
+            while True:
+                if self.sink_error is not None:
+                    raise self.sink_error
+                if self.paused:
+                    await drain()
+                    self._resume()
+                elif self.body_done:
+                    return
+                elif self.failure is not None:
+                    raise self._body_failed()
+                else:
+                    await self._wait(None)
+        finally:
+            self.sink = None
 
     def reusable(self) -> bool:
         return self.body_done and self.keep_alive and not self.closed and self.failure is None
@@ -214,6 +268,10 @@ class _Body(httpx.AsyncByteStream):
     async def read_chunk(self) -> bytes:
         """The body bytes that arrived since the last call; b"" at the end."""
         return await self._connection.read_chunk(self._read_timeout)
+
+    async def splice(self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]]) -> None:
+        """The rest of the body, each chunk to `sink` as it is parsed (see `_Connection.splice`)."""
+        await self._connection.splice(sink, drain)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         read_chunk, timeout = self._connection.read_chunk, self._read_timeout

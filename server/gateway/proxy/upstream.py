@@ -1,13 +1,15 @@
 """How the proxy talks to engines: the `Upstream` interface, and an httpx client seen through it.
 
-The proxy posts through `Upstream.post` and reads an `UpstreamResponse` chunk by chunk. The
-gateway's own `proxy.transport.UpstreamTransport` implements it without httpx objects on the
-hot path; `ClientUpstream` adapts any `httpx.AsyncClient` (one a caller injects, in tests).
+The proxy posts through `Upstream.post` and reads an `UpstreamResponse` whole, or chunk by
+chunk into a synchronous sink (`splice`: the gateway's transport calls it from its protocol
+callback, with no task step per chunk). The gateway's own `proxy.transport.UpstreamTransport`
+implements it without httpx objects on the hot path; `ClientUpstream` adapts any
+`httpx.AsyncClient` (one a caller injects, in tests).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 import httpx
@@ -22,6 +24,10 @@ class UpstreamResponse(Protocol):
     def __aiter__(self) -> AsyncIterator[bytes]: ...
 
     async def read_chunk(self) -> bytes: ...  # what arrived since the last call; b"" at the end
+
+    async def splice(self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]]) -> None:
+        """The rest of the body to `sink`, chunk by chunk; when it returns True, `drain()` before reading on."""
+        ...
 
     async def aread(self) -> bytes: ...
 
@@ -60,6 +66,13 @@ class _ClientResponse:
         if self._chunks is None:
             self._chunks = self.response.aiter_raw()
         return await anext(self._chunks, b"")
+
+    async def splice(self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]]) -> None:
+        if self._chunks is None:
+            self._chunks = self.response.aiter_raw()
+        async for chunk in self._chunks:
+            if sink(chunk):
+                await drain()
 
     async def aread(self) -> bytes:
         return await self.response.aread()

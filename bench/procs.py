@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 
 PYTHON = sys.executable
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -127,3 +128,22 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def gateway_code(workdir: Path, source: str) -> Path:
+    """Where a gateway imports `server` from (run it with `python -P` and this as PYTHONPATH): a copy
+    of commit `source` (others may be editing the working tree meanwhile), or the tree."""
+    if source == "tree":
+        return ROOT
+    target = workdir / f"code-{source}"
+    target.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", source, "server"], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
+    return target
+
+
+def commit_of(source: str) -> str:
+    if source == "tree":
+        return "working tree"
+    done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", source], capture_output=True, text=True)
+    return done.stdout.strip() or source

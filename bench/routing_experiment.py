@@ -40,7 +40,6 @@ import platform
 import re
 import shlex
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,7 +52,7 @@ from typing import Any
 import httpx
 import yaml
 
-from bench.procs import PYTHON, Processes, Started, free_port
+from bench.procs import PYTHON, Processes, Started, commit_of, free_port, gateway_code
 from loadtest.client import ChatClient, make_http_client
 from loadtest.metrics import percentile
 from loadtest.records import RequestRecord
@@ -144,25 +143,6 @@ def derived_config(config: Path, directory: Path, name: str, routing: dict[str, 
     path = directory / f"gateway-{name}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
-
-
-def gateway_code(workdir: Path, source: str) -> Path:
-    """Where the gateways import `server` from: a copy of commit `source` (others may be editing the
-    working tree while the experiment runs; every policy then runs the same code), or the tree."""
-    if source == "tree":
-        return ROOT
-    target = workdir / "code"
-    target.mkdir()
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", source, "server"], check=True, capture_output=True)
-    subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
-    return target
-
-
-def commit_of(source: str) -> str:
-    if source == "tree":
-        return "working tree"
-    done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", source], capture_output=True, text=True)
-    return done.stdout.strip() or source
 
 
 async def start_engines(plan: DeploymentPlan, *, pin: bool = False) -> list[EngineSupervisor]:

@@ -21,7 +21,7 @@ below 1.0 core per worker was not what limited the rate. Chunks per proxy CPU-se
 over the proxy's CPU seconds in that window) is what one busy core relays, whatever the rest of
 the machine left it: the figure to size a gateway with.
 
-Usage: python -m bench.workers_bench --output docs/bench [--duration 8] [--paths ...]
+Usage: python -m bench.workers_bench --output docs/bench [--duration 8] [--paths ...] [--before REV]
 """
 
 from __future__ import annotations
@@ -35,7 +35,17 @@ import sys
 from pathlib import Path
 
 from bench.loadgen import summarize
-from bench.procs import PYTHON, Processes, Started, free_port, start_standin, wait_chat_ready
+from bench.procs import (
+    PYTHON,
+    ROOT,
+    Processes,
+    Started,
+    commit_of,
+    free_port,
+    gateway_code,
+    start_standin,
+    wait_chat_ready,
+)
 from bench.proxy_bench import MODEL, engine_stats, git_commit, loadavg, machine
 
 ALL_PATHS = ("direct", "vllm-router", "gateway x1", "gateway x2")
@@ -66,6 +76,7 @@ def start_paths(procs: Processes, engine_url: str, paths: list[str]) -> dict[str
     out: dict[str, dict] = {}
     for path in paths:
         info: dict = {"url": None, "process": None, "command": "", "error": None, "cores": "0"}
+        env: dict[str, str] = {}
         out[path] = info
         if path == "direct":
             info.update(url=engine_url, command="(no proxy)")
@@ -78,16 +89,18 @@ def start_paths(procs: Processes, engine_url: str, paths: list[str]) -> dict[str
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
             ]  # fmt: skip
             core: str | None = "1"
-        elif path in ("gateway x1", "gateway x2"):
-            workers = path[-1]
-            argv = [PYTHON, "-m", "server", "serve", "--upstream", f"{MODEL}={engine_url}", "--port", str(port),
+        elif path.split(" @")[0] in ("gateway x1", "gateway x2"):
+            name, _, rev = path.partition(" @")
+            workers = name[-1]
+            argv = [PYTHON, "-P", "-m", "server", "serve", "--upstream", f"{MODEL}={engine_url}", "--port", str(port),
                     "--workers", workers]  # fmt: skip
+            env["PYTHONPATH"] = str(gateway_code(procs.log_dir, rev) if rev else ROOT)
             core = "1" if workers == "1" else BOTH_CORES
         else:
             raise SystemExit(f"unknown path {path!r}; known: {', '.join(ALL_PATHS)}")
         info["command"] = " ".join(argv)
         try:
-            started = procs.start(path.replace(" ", "-"), ["taskset", "-c", core, *argv], core=None)
+            started = procs.start(path.replace(" ", "-"), ["taskset", "-c", core, *argv], core=None, env=env)
         except OSError as exc:
             info["error"] = str(exc)
             continue
@@ -97,7 +110,7 @@ def start_paths(procs: Processes, engine_url: str, paths: list[str]) -> dict[str
             info["error"] = wait_chat_ready(info["process"], info["url"], MODEL, timeout=120)
             if info["error"]:
                 print(f"!! {path} is not available: {info['error']}", file=sys.stderr)
-            elif path == "gateway x2":
+            elif path.startswith("gateway x2"):
                 workers = _children(info["process"].pid)
                 for core, worker in enumerate(workers):
                     pin(worker, str(core % 2))
@@ -153,7 +166,12 @@ def ratios(fig: dict[str, dict]) -> dict:
         return None if a is None or b is None or b == 0 else a / b
 
     one, two, router = fig.get("gateway x1", {}), fig.get("gateway x2", {}), fig.get("vllm-router", {})
+    before = next((f for path, f in fig.items() if path.startswith("gateway x1 @")), {})
     return {
+        "cpu_per_chunk_before_vs_router": ratio(
+            before.get("cpu_us_per_chunk_at_64"), router.get("cpu_us_per_chunk_at_64")
+        ),
+        "cpu_per_chunk_x1_vs_before": ratio(one.get("cpu_us_per_chunk_at_64"), before.get("cpu_us_per_chunk_at_64")),
         "cpu_per_chunk_x1_vs_router": ratio(one.get("cpu_us_per_chunk_at_64"), router.get("cpu_us_per_chunk_at_64")),
         "cpu_per_chunk_x2_vs_x1": ratio(two.get("cpu_us_per_chunk_at_64"), one.get("cpu_us_per_chunk_at_64")),
         "ceiling_x2_vs_x1": ratio(two.get("ceiling_chunks_per_s"), one.get("ceiling_chunks_per_s")),
@@ -220,6 +238,15 @@ def render_markdown(report: dict) -> str:
         "",
         f"- CPU per chunk, gateway (1 worker) / vllm-router: {_fmt(r['cpu_per_chunk_x1_vs_router'], 2, 'x')} "
         "(goal <= 1.25x)",
+        *(
+            [
+                f"- CPU per chunk, the gateway at an earlier commit (1 worker) / vllm-router: "
+                f"{_fmt(r['cpu_per_chunk_before_vs_router'], 2, 'x')}; now / then: "
+                f"{_fmt(r['cpu_per_chunk_x1_vs_before'], 2, 'x')}"
+            ]
+            if r.get("cpu_per_chunk_before_vs_router") is not None
+            else []
+        ),
         f"- added p50 TTFT at 4 streams, gateway minus vllm-router: 1 worker "
         f"{_fmt(r['added_ttft_x1_minus_router_ms'], 2, ' ms')}, 2 workers "
         f"{_fmt(r['added_ttft_x2_minus_router_ms'], 2, ' ms')} (goal <= +0.3 ms)",
@@ -258,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved windows at 4 streams")
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--paths", default=",".join(ALL_PATHS))
+    parser.add_argument(
+        "--before",
+        metavar="REV",
+        help="also run one worker of the gateway at commit REV (path `gateway x1 @REV`), for a before/after in one run",
+    )
     parser.add_argument("--from-json", type=Path, help="only write the report again from an earlier run's JSON")
     args = parser.parse_args(argv)
     if args.from_json:
@@ -267,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     paths = [p for p in args.paths.split(",") if p]
     if "direct" not in paths:
         paths.insert(0, "direct")
+    if args.before:
+        paths.append(f"gateway x1 @{commit_of(args.before)}")
     report: dict = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "commit": git_commit(),

@@ -103,19 +103,21 @@ async def _record(sent, request):
 
 
 async def _splice(response, *, full_after: int | None = None):
-    """Splice `response` into a list; the sink says "full" from chunk `full_after` on."""
+    """Splice `response` into a list; its flush says "full" from chunk `full_after` on."""
     got: list[bytes] = []
+    flushed: list[int] = []
     drains = []
 
-    def sink(chunk: bytes) -> bool:
-        got.append(chunk)
+    def flush() -> bool:
+        flushed.append(len(got))
         return full_after is not None and len(got) >= full_after
 
     async def drain() -> None:
         drains.append(len(got))
         assert response._connection.paused  # the engine's socket is not read while the client is full
 
-    await response.splice(sink, drain)
+    await response.splice(got.append, flush, drain)
+    assert flushed and flushed[-1] == len(got)  # flushed after the read that brought the last chunk
     return got, drains
 
 
@@ -147,14 +149,14 @@ async def test_a_failing_sink_fails_the_splice_and_closes_the_connection(server_
     response = await transport.post(transport.target(f"{server_url}/slow-body"), [], b"x")
     await response.read_chunk()
 
-    def sink(chunk: bytes) -> bool:
+    def sink(chunk: bytes) -> None:
         raise ValueError("the relay's own bug")
 
     async def drain() -> None:
         raise AssertionError("not full")
 
     with pytest.raises(ValueError, match="own bug"):
-        await response.splice(sink, drain)
+        await response.splice(sink, lambda: False, drain)
     await response.aclose()
     assert transport.idle_connections() == 0
     await transport.aclose()
@@ -179,7 +181,7 @@ async def test_an_engine_that_dies_mid_body_fails_the_splice_with_an_httpx_error
         pass
 
     with pytest.raises(httpx.RemoteProtocolError):
-        await response.splice(lambda chunk: got.append(chunk) or False, drain)
+        await response.splice(got.append, lambda: False, drain)
     assert got == [b"hel"]
     await response.aclose()
     server.close()
@@ -196,7 +198,32 @@ async def test_under_another_asgi_server_the_body_goes_through_its_send():
 
     writer = body_writer(send)
     assert isinstance(writer, SendWriter)
-    assert writer.write(b"a") and writer.write(b"b")  # every write asks for a drain
+    assert not writer.flush()
+    writer.write(b"a")
+    writer.write(b"b")
+    assert writer.flush()  # something written asks for a drain
     await writer.drain()
     await writer.drain()  # nothing pending: nothing sent
+    writer.write(b"c")
+    assert writer.release() == b"c"  # what a deadline's error event must follow
     assert messages == [{"type": "http.response.body", "body": b"ab", "more_body": True}]
+
+
+def test_chunks_written_together_leave_in_one_write_framed_as_http_chunks():
+    from types import SimpleNamespace
+
+    from server.gateway.edge.protocol import ChunkedWriter
+
+    writes: list[bytes] = []
+    flow = SimpleNamespace(write_paused=False)
+    cycle = SimpleNamespace(disconnected=False, flow=flow, transport=SimpleNamespace(write=writes.append))
+    writer = ChunkedWriter(cycle)
+    assert not writer.flush()  # nothing written: no system call
+    writer.write(b"data: 1\n\n")
+    writer.write(b"data: 22\n\n")
+    flow.write_paused = True  # the client's buffer went over its high-water mark
+    assert writer.flush()
+    assert writes == [b"9\r\ndata: 1\n\n\r\na\r\ndata: 22\n\n\r\n"]
+    cycle.disconnected = True
+    writer.write(b"x")
+    assert not writer.flush() and len(writes) == 1  # a client that left is written nothing

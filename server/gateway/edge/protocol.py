@@ -158,34 +158,50 @@ def abort_connection(send: Any) -> bool:
 class ChunkedWriter:
     """A started chunked response's body, written straight to the client's transport (`body_writer`).
 
-    `write` frames one HTTP/1.1 chunk and writes it at once; it returns True when the client's
-    buffer is above its high-water mark (uvicorn's flow control), and then the caller waits for
-    `drain()` before writing more. A client that has gone is written nothing. The response is
-    still ended through uvicorn's `send` (it writes the last chunk and keeps the connection's
-    state for keep-alive).
+    `write` frames one HTTP/1.1 chunk; `flush` writes what was framed since the last flush in one
+    system call (the relay flushes once per read from the engine: chunks that arrived together
+    leave together) and returns True when the client's buffer is above its high-water mark
+    (uvicorn's flow control): the caller then waits for `drain()` before writing more. A client
+    that has gone is written nothing. The response is still ended through uvicorn's `send` (it
+    writes the last chunk and keeps the connection's state for keep-alive), after a flush.
     """
 
-    __slots__ = ("_cycle", "_flow", "_transport")
+    __slots__ = ("_cycle", "_flow", "_pending", "_transport")
 
     def __init__(self, cycle: Any) -> None:
         self._cycle = cycle
         self._flow = cycle.flow
         self._transport = cycle.transport
+        self._pending: list[bytes] = []
 
-    def write(self, data: bytes) -> bool:
+    def write(self, data: bytes) -> None:
+        self._pending.append(b"%x\r\n%b\r\n" % (len(data), data))
+
+    def flush(self) -> bool:
+        pending = self._pending
+        if not pending:
+            return False
+        data = pending[0] if len(pending) == 1 else b"".join(pending)
+        pending.clear()
         if self._cycle.disconnected:
             return False
-        self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        self._transport.write(data)
         return self._flow.write_paused  # type: ignore[no-any-return]
 
     async def drain(self) -> None:
+        self.flush()
         if self._flow.write_paused and not self._cycle.disconnected:
             await self._flow.drain()
 
+    def release(self) -> bytes:
+        """Before the response goes on through `send`: what was written goes out now (b"" is left)."""
+        self.flush()
+        return b""
+
 
 class SendWriter:
-    """The same interface over any ASGI `send` (under a server other than the gateway's own): every
-    write asks for a drain, which sends what was written as one body message."""
+    """The same interface over any ASGI `send` (under a server other than the gateway's own): a flush
+    with something written asks for a drain, which sends it as one body message."""
 
     __slots__ = ("_pending", "_send")
 
@@ -193,15 +209,21 @@ class SendWriter:
         self._send = send
         self._pending: list[bytes] = []
 
-    def write(self, data: bytes) -> bool:
+    def write(self, data: bytes) -> None:
         self._pending.append(data)
-        return True
+
+    def flush(self) -> bool:
+        return bool(self._pending)
 
     async def drain(self) -> None:
         if self._pending:
-            body = b"".join(self._pending)
-            self._pending.clear()
-            await self._send({"type": "http.response.body", "body": body, "more_body": True})
+            await self._send({"type": "http.response.body", "body": self.release(), "more_body": True})
+
+    def release(self) -> bytes:
+        """Before the response goes on through `send`: what was written and not sent, to send first."""
+        body = b"".join(self._pending)
+        self._pending.clear()
+        return body
 
 
 def body_writer(send: Any) -> ChunkedWriter | SendWriter:

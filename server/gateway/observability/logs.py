@@ -125,6 +125,13 @@ def configure_logging(fmt: Literal["json", "text"] = "json", level: int = loggin
     """Send the process's logs to stderr as JSON lines or plain text. Idempotent."""
     if fmt not in ("json", "text"):
         raise ValueError(f"log format must be 'json' or 'text', not {fmt!r}")
+    # No format here uses the caller's file and line, thread or process names: do not collect them
+    # for every record (the logging HOWTO's "Optimization"; the caller lookup alone walked the stack
+    # for every access line).
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
     root = logging.getLogger()
     for handler in [h for h in root.handlers if getattr(h, _HANDLER_MARK, False)]:
         root.removeHandler(handler)

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from server.gateway.edge.asgi import Headers, Receive, Send
-from server.gateway.edge.protocol import abort_connection, body_writer
+from server.gateway.edge.protocol import ChunkedWriter, SendWriter, abort_connection, body_writer
 from server.gateway.edge.requests import GatewayRequest
 from server.gateway.edge.targets import body_for, excluded
 from server.gateway.engines.engine import Engine
@@ -117,7 +117,18 @@ def upstream_headers(request: GatewayRequest, forward_auth: bool) -> Headers:
 class Exchange:
     """One client request and its answer, from routing to the last byte."""
 
-    __slots__ = ("deadlines", "hidden", "hide_usage", "last", "proxy", "record", "request", "send", "stalled")
+    __slots__ = (
+        "deadlines",
+        "hidden",
+        "hide_usage",
+        "last",
+        "proxy",
+        "record",
+        "request",
+        "send",
+        "stalled",
+        "writer",
+    )
 
     def __init__(self, proxy: Proxy, request: GatewayRequest, record: RequestRecord, send: Send) -> None:
         self.proxy = proxy
@@ -129,6 +140,7 @@ class Exchange:
         self.hide_usage = False  # the engine is asked for usage the client did not ask for (proxy.hidden_usage)
         self.hidden: HiddenUsage | None = None
         self.stalled = False  # a deadline cut the stream while the client was not taking its chunks
+        self.writer: ChunkedWriter | SendWriter | None = None  # the stream's body, once it started
 
     async def run(self, pool: ModelPool, receive: Receive) -> None:
         t = self.proxy.settings.timeouts
@@ -283,10 +295,11 @@ class Exchange:
         After the first chunk the engine's body is spliced into the client's connection: each chunk
         is handled by `sink`, called by the upstream connection as it parses the chunk, which
         stamps it (first token, inter-token latency, the idle deadline), takes the usage out when
-        the client did not ask for it, and writes it to the client's transport (edge.protocol's
-        ChunkedWriter). No ASGI message, future or task step per chunk; when the client's buffer
-        is full the engine's socket is paused until it drains (the relay then waits on the
-        client: a deadline passing there is the client's stall).
+        the client did not ask for it, and frames it for the client (edge.protocol's ChunkedWriter);
+        after each read from the engine the writer is flushed in one write (several chunks that
+        arrived together, under load, leave together). No ASGI message, future or task step per
+        chunk; when the client's buffer is full the engine's socket is paused until it drains
+        (the relay then waits on the client: a deadline passing there is the client's stall).
         """
         send = self.send
         record = self.record
@@ -307,10 +320,10 @@ class Exchange:
         hidden = self.hidden = HiddenUsage(self.proxy.fingerprints, engine.id) if self.hide_usage else None
         scanner: UsageScanner | HiddenUsage = hidden if hidden is not None else UsageScanner()
         feed = scanner.feed
-        writer = body_writer(send)
+        writer = self.writer = body_writer(send)
         write = writer.write
 
-        def sink(chunk: bytes) -> bool:
+        def sink(chunk: bytes) -> None:
             now = perf_counter()
             if deadlines is not None:
                 deadlines.last = now
@@ -323,8 +336,7 @@ class Exchange:
             out = feed(chunk)
             if out:
                 self.last = out
-                return write(out)
-            return False
+                write(out)
 
         async def drain() -> None:
             self.stalled = True  # the relay waits for the client, not for the engine
@@ -333,14 +345,13 @@ class Exchange:
 
         self.last = first
         try:
-            if sink(first):
+            sink(first)
+            if writer.flush():
                 await drain()
-            await response.splice(sink, drain)
-            await drain()
+            await response.splice(sink, writer.flush, drain)
         except httpx.HTTPError as exc:
             if deadlines is not None:
                 deadlines.disarm()
-            await drain()
             held = self._take_held()
             if held:
                 self.last = held
@@ -363,11 +374,13 @@ class Exchange:
         await send({"type": "http.response.body", "body": self._take_held(), "more_body": False})
 
     def _take_held(self) -> bytes:
-        """Bytes the usage filter held back (see proxy.hidden_usage), to send before the stream ends."""
+        """What must go out before the next `send`: chunks written and not yet sent (edge.protocol's
+        writers), then bytes the usage filter held back (see proxy.hidden_usage)."""
+        out = self.writer.release() if self.writer is not None else b""
         hidden = self.hidden
         if hidden is None:
-            return b""
-        out = hidden.rest + hidden.take()
+            return out
+        out += hidden.rest + hidden.take()
         hidden.rest = b""
         return out
 

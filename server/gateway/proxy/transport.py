@@ -18,8 +18,9 @@ exceptions, and underneath:
 - no timer per read unless the request asks for a read timeout (the proxy keeps its own
   deadlines); a body the caller does not drain makes the connection pause reading;
 - a body can be spliced (`_Body.splice`): each chunk goes to the caller's sink from the
-  protocol's own callback as httptools parses it, with no future, task step or buffer per chunk,
-  and reading pauses while the sink's consumer is full.
+  protocol's own callback as httptools parses it, with no future or task step per chunk; after
+  each socket read the sink is flushed once (chunks that arrived together leave together), and
+  reading pauses while the sink's consumer is full.
 
 HTTP/1.1 only, for requests whose answers have a body (POST, and GET of a stored response; no
 HEAD): that is what engines speak. The interface the proxy sees is `proxy.upstream.Upstream`.
@@ -66,7 +67,9 @@ class _Connection(asyncio.Protocol):
         self.chunks: deque[bytes] = deque()
         self.buffered = 0
         self.paused = False
-        self.sink: Callable[[bytes], bool] | None = None  # set while spliced (see _Body.splice)
+        self.sink: Callable[[bytes], None] | None = None  # set while spliced (see _Body.splice)
+        self.flush: Callable[[], bool] | None = None
+        self.sunk = False  # this read gave the sink something to flush
         self.sink_error: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None
 
@@ -83,6 +86,27 @@ class _Connection(asyncio.Protocol):
             self.failure = f"malformed response from the engine: {exc}"
             self.close()
             self._wake()
+        if self.sunk:
+            self.sunk = False
+            self._flush()
+
+    def _flush(self) -> None:
+        flush = self.flush
+        if flush is None:
+            return
+        try:
+            full = flush()
+        except Exception as exc:  # noqa: BLE001 - the caller's failure: splice() raises it
+            self._sink_failed(exc)
+            return
+        if full:
+            self._pause()
+
+    def _sink_failed(self, exc: Exception) -> None:
+        self.sink = self.flush = None
+        self.sink_error = exc
+        self.close()
+        self._wake()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -105,14 +129,11 @@ class _Connection(asyncio.Protocol):
         sink = self.sink
         if sink is not None:
             try:
-                full = sink(body)
+                sink(body)
             except Exception as exc:  # noqa: BLE001 - the caller's failure: splice() raises it, not the parser
-                self.sink, self.sink_error = None, exc
-                self.close()
-                self._wake()
+                self._sink_failed(exc)
                 return
-            if full:
-                self._pause()
+            self.sunk = True
             return
         self.chunks.append(body)
         self.buffered += len(body)
@@ -196,14 +217,19 @@ class _Connection(asyncio.Protocol):
             await self._wait(timeout)
         return self._take()
 
-    async def splice(self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]]) -> None:
-        """Hand the rest of the body to `sink` chunk by chunk, from `on_body`, until it ends. `sink`
-        returns True when its consumer is full: reading pauses until `drain()` returns. Raises
-        what `read_chunk` raises, and what `sink` raised. No read timeout: the caller keeps its own."""
+    async def splice(
+        self, sink: Callable[[bytes], None], flush: Callable[[], bool], drain: Callable[[], Awaitable[None]]
+    ) -> None:
+        """Hand the rest of the body to `sink` chunk by chunk, from `on_body`, until it ends; `flush()`
+        after each read that gave it chunks. `flush` returns True when the consumer is full: reading
+        pauses until `drain()` returns. Raises what `read_chunk` raises, and what `sink` or `flush`
+        raised. No read timeout: the caller keeps its own."""
         try:
-            if self.chunks and sink(self._take()):
-                self._pause()
-            self.sink = sink
+            if self.chunks:
+                sink(self._take())
+                if flush():
+                    self._pause()
+            self.sink, self.flush = sink, flush
             while True:
                 if self.sink_error is not None:
                     raise self.sink_error
@@ -217,7 +243,7 @@ class _Connection(asyncio.Protocol):
                 else:
                     await self._wait(None)
         finally:
-            self.sink = None
+            self.sink = self.flush = None
 
     def reusable(self) -> bool:
         return self.body_done and self.keep_alive and not self.closed and self.failure is None
@@ -269,9 +295,11 @@ class _Body(httpx.AsyncByteStream):
         """The body bytes that arrived since the last call; b"" at the end."""
         return await self._connection.read_chunk(self._read_timeout)
 
-    async def splice(self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]]) -> None:
+    async def splice(
+        self, sink: Callable[[bytes], None], flush: Callable[[], bool], drain: Callable[[], Awaitable[None]]
+    ) -> None:
         """The rest of the body, each chunk to `sink` as it is parsed (see `_Connection.splice`)."""
-        await self._connection.splice(sink, drain)
+        await self._connection.splice(sink, flush, drain)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         read_chunk, timeout = self._connection.read_chunk, self._read_timeout

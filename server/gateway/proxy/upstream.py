@@ -25,8 +25,11 @@ class UpstreamResponse(Protocol):
 
     async def read_chunk(self) -> bytes: ...  # what arrived since the last call; b"" at the end
 
-    async def splice(self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]]) -> None:
-        """The rest of the body to `sink`, chunk by chunk; when it returns True, `drain()` before reading on."""
+    async def splice(
+        self, sink: Callable[[bytes], None], flush: Callable[[], bool], drain: Callable[[], Awaitable[None]]
+    ) -> None:
+        """The rest of the body to `sink`, chunk by chunk, and `flush()` after what arrived together; when
+        that returns True, `drain()` before reading on."""
         ...
 
     async def aread(self) -> bytes: ...
@@ -67,11 +70,14 @@ class _ClientResponse:
             self._chunks = self.response.aiter_raw()
         return await anext(self._chunks, b"")
 
-    async def splice(self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]]) -> None:
+    async def splice(
+        self, sink: Callable[[bytes], None], flush: Callable[[], bool], drain: Callable[[], Awaitable[None]]
+    ) -> None:
         if self._chunks is None:
             self._chunks = self.response.aiter_raw()
         async for chunk in self._chunks:
-            if sink(chunk):
+            sink(chunk)
+            if flush():
                 await drain()
 
     async def aread(self) -> bytes:

@@ -7,7 +7,13 @@ import logging
 
 import pytest
 
-from server.gateway.observability.logs import ACCESS_FIELDS, ACCESS_LOGGER, configure_logging, log_request
+from server.gateway.observability.logs import (
+    ACCESS_FIELDS,
+    ACCESS_LOGGER,
+    _sole_json_handler,
+    configure_logging,
+    log_request,
+)
 
 
 def access_lines(caplog) -> list[dict]:
@@ -76,6 +82,34 @@ def test_configure_logging_formats(fmt, capsys):
     else:
         assert '"request_id":"r4"' in lines[0] and " INFO gateway.access " in lines[0]
         assert lines[1].endswith("WARNING gateway.proxy engine e1 ejected")
+
+
+def test_the_line_written_directly_is_the_line_logging_writes(capsys):
+    """The gateway's own set-up writes access lines straight to its handler's stream; anything else
+    on the way (a filter, another handler) sends them through logging. Same line either way."""
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    access = logging.getLogger(ACCESS_LOGGER)
+    fields = dict(request_id="r5", model="tiny", status=200, ttft_s=0.0123456789, routing={"engine": "e"})
+    try:
+        root.handlers = []  # pytest's own capturing handlers, too: the gateway's handler alone
+        configure_logging("json")
+        assert _sole_json_handler(access) is root.handlers[0]
+        log_request(**fields)
+        direct = capsys.readouterr().err
+        access.addFilter(lambda record: True)  # now logging must run the filter: the logging path
+        assert _sole_json_handler(access) is None
+        log_request(**fields)
+        via_logging = capsys.readouterr().err
+    finally:
+        access.filters.clear()
+        root.handlers = saved[0]
+        root.setLevel(saved[1])
+    assert direct.endswith("\n") and direct.count("\n") == 1
+    one, two = json.loads(direct), json.loads(via_logging)
+    assert one.pop("ts")[:16] == two.pop("ts")[:16]  # the same minute
+    assert list(one) == list(two) and one == two
+    assert one["logger"] == ACCESS_LOGGER and one["routing"] == {"engine": "e"} and one["ttft_s"] == 0.012346
 
 
 def test_unknown_format_is_refused():

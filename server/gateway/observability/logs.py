@@ -78,12 +78,58 @@ class AccessLine:
 
 
 def log_request(**fields: Any) -> None:
-    """Write one JSON line for a finished request on the `gateway.access` logger."""
-    logger = logging.getLogger(ACCESS_LOGGER)
+    """Write one JSON line for a finished request on the `gateway.access` logger.
+
+    When the line would only reach the handler `configure_logging` installed (JSON, no filters,
+    no other handler on the way: the gateway's own set-up), it is written straight to that
+    handler's stream, as that handler would write it, without a LogRecord and the logging
+    machinery (a tenth of the relay's CPU per request); otherwise it goes through logging."""
+    logger = _ACCESS
     if not logger.isEnabledFor(logging.INFO):
         return
     record = access_record(fields)
-    logger.info(AccessLine(record), extra={"access": record})
+    handler = _sole_json_handler(logger)
+    if handler is None:
+        logger.info(AccessLine(record), extra={"access": record})
+        return
+    now = time.time()
+    line = dumps_text(
+        {"ts": utc_timestamp(now, (now - int(now)) * 1000), "level": "info", "logger": ACCESS_LOGGER, **record}
+    )
+    handler.acquire()
+    try:
+        handler.stream.write(line + handler.terminator)
+        handler.flush()
+    except Exception:  # noqa: BLE001 - as logging does: a failed log write must not fail the request
+        handler.handleError(logging.makeLogRecord({"msg": line}))
+    finally:
+        handler.release()
+
+
+_ACCESS = logging.getLogger(ACCESS_LOGGER)
+
+
+def _sole_json_handler(logger: logging.Logger) -> logging.StreamHandler[Any] | None:
+    """The handler of `configure_logging` (JSON) if it is the only one an INFO line of `logger` reaches."""
+    found: logging.StreamHandler[Any] | None = None
+    current: logging.Logger | None = logger
+    while current is not None:
+        if current.filters or current.disabled:
+            return None
+        for handler in current.handlers:
+            if (
+                found is not None
+                or not getattr(handler, _HANDLER_MARK, False)
+                or not isinstance(handler.formatter, JsonFormatter)
+                or handler.filters
+                or handler.level > logging.INFO
+            ):
+                return None
+            found = handler  # type: ignore[assignment]
+        if not current.propagate:
+            break
+        current = current.parent
+    return found
 
 
 _second: tuple[int, str] = (-1, "")  # the last second formatted, and its text (one tuple: thread-safe)

@@ -40,6 +40,10 @@ OWNERS = (
     ("trimming step (trimming)", r"gateway/trimming/"),
     ("routing and scoring (engines)", r"gateway/engines/"),
     ("SSE scanning for usage/tokens (proxy.sse, streams)", r"proxy/sse\.py|proxy/streams\.py"),
+    # The splice runs the relay's per-chunk work and the client's socket write inside the upstream
+    # connection's callbacks: those are the relay's and the client side's, not the upstream client's.
+    ("client-side socket writes of the spliced stream (edge.protocol writers)", r"ChunkedWriter|SendWriter"),
+    ("relay loop and exchange (proxy.exchange, proxy.proxy)", r"_relay_stream\.<locals>\.sink"),
     ("upstream HTTP/1.1 client (proxy.transport)", r"proxy/transport\.py"),
     ("deadlines (proxy.deadlines)", r"proxy/deadlines\.py"),
     ("request parsing, auth, routing table (edge)", r"gateway/edge/(?!router)"),

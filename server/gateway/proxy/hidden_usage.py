@@ -34,12 +34,11 @@ from typing import Any
 
 from server.gateway.edge.requests import GatewayRequest
 from server.gateway.jsonio import dumps, loads
-from server.gateway.proxy.sse import MAX_USAGE_BUFFER, usage_object_follows
+from server.gateway.proxy.sse import MAX_USAGE_BUFFER, USAGE_MARKER, usage_object_follows
 
 _ASK = b'"stream_options":{"include_usage":true},'
 _FINISHED = b'"finish_reason":"'  # a choice's last chunk: `"finish_reason":null` on the others
 _FINGERPRINT = b'"system_fingerprint":'
-_USAGE = b'"usage":'
 _END = b"\n\n"
 MAX_FINGERPRINTS = 4096  # engines remembered; beyond that the memory starts afresh
 
@@ -110,7 +109,7 @@ class HiddenUsage:
             not self._tail
             and not self._held
             and chunk.endswith(_END)
-            and chunk.find(_USAGE) == -1
+            and chunk.find(USAGE_MARKER) == -1
             and chunk.find(_FINISHED) == -1
         ):
             return chunk

@@ -21,7 +21,7 @@ _SPACE = 0x20
 # `content":` also matches `reasoning_content":`; `"text":` is the completions API's token.
 _TOKEN_MARKERS = (b'content":', b'"text":')
 _TOOL_MARKERS = (b'"tool_calls":[{', b'"tool_calls": [{')
-_USAGE_MARKER = b'"usage":'
+USAGE_MARKER = b'"usage":'
 MAX_USAGE_BUFFER = 1 << 20
 
 
@@ -49,14 +49,14 @@ def has_token(chunk: bytes) -> bool:
 
 def usage_object_follows(chunk: bytes, start: int = 0) -> int:
     """Index of a `"usage":` followed by an object (not null), or -1."""
-    i = chunk.find(_USAGE_MARKER, start)
+    i = chunk.find(USAGE_MARKER, start)
     while i != -1:
-        j = i + len(_USAGE_MARKER)
+        j = i + len(USAGE_MARKER)
         while j < len(chunk) and chunk[j] == _SPACE:
             j += 1
         if j < len(chunk) and chunk[j] == 0x7B:  # {
             return i
-        i = chunk.find(_USAGE_MARKER, j)
+        i = chunk.find(USAGE_MARKER, j)
     return -1
 
 
@@ -101,7 +101,7 @@ class UsageScanner:
     def feed(self, chunk: bytes) -> bytes:
         """Look at `chunk`; returns it (all of it goes to the client)."""
         if not self._tail and chunk.endswith(b"\n\n"):  # whole events: the common case
-            if chunk.find(_USAGE_MARKER) != -1 and usage_object_follows(chunk) != -1:
+            if chunk.find(USAGE_MARKER) != -1 and usage_object_follows(chunk) != -1:
                 self._last = chunk
             return chunk
         given = chunk

@@ -93,9 +93,7 @@ def log_request(**fields: Any) -> None:
         logger.info(AccessLine(record), extra={"access": record})
         return
     now = time.time()
-    line = dumps_text(
-        {"ts": utc_timestamp(now, (now - int(now)) * 1000), "level": "info", "logger": ACCESS_LOGGER, **record}
-    )
+    line = dumps_text({**_line_head(now, (now - int(now)) * 1000, "info", ACCESS_LOGGER), **record})
     handler.acquire()
     try:
         handler.stream.write(line + handler.terminator)
@@ -145,15 +143,16 @@ def utc_timestamp(created: float, msecs: float) -> str:
     return f"{cached[1]}.{int(msecs):03d}Z"
 
 
+def _line_head(created: float, msecs: float, level: str, logger: str) -> dict[str, Any]:
+    """The keys every JSON log line starts with (JsonFormatter's, and log_request's direct line)."""
+    return {"ts": utc_timestamp(created, msecs), "level": level, "logger": logger}
+
+
 class JsonFormatter(logging.Formatter):
     """Every log record as one JSON object per line; access records keep their fields at top level."""
 
     def format(self, record: logging.LogRecord) -> str:
-        out: dict[str, Any] = {
-            "ts": utc_timestamp(record.created, record.msecs),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-        }
+        out = _line_head(record.created, record.msecs, record.levelname.lower(), record.name)
         access = getattr(record, "access", None)
         if isinstance(access, dict):
             out.update(access)

@@ -89,8 +89,8 @@ def start_paths(procs: Processes, engine_url: str, paths: list[str]) -> dict[str
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
             ]  # fmt: skip
             core: str | None = "1"
-        elif path.split(" @")[0] in ("gateway x1", "gateway x2"):
-            name, _, rev = path.partition(" @")
+        elif (gateway := path.partition(" @"))[0] in ("gateway x1", "gateway x2"):
+            name, _, rev = gateway  # "gateway x1 @abc1234": one worker of commit abc1234's code
             workers = name[-1]
             argv = [PYTHON, "-P", "-m", "server", "serve", "--upstream", f"{MODEL}={engine_url}", "--port", str(port),
                     "--workers", workers]  # fmt: skip

@@ -35,6 +35,9 @@ class HealthCheck(_Strict):
     timeout: float = Field(default=2.0, gt=0)
     unhealthy_after: int = Field(default=2, ge=1)  # consecutive failures that eject an engine
     healthy_after: int = Field(default=1, ge=1)  # consecutive successes that restore it
+    # Seconds between two reads of a healthy engine's /v1/models: its max_model_len and its LoRA
+    # adapters, as loaded through another worker, another gateway replica or the engine itself.
+    models_interval: float = Field(default=10.0, gt=0)
 
 
 class Discovery(_Strict):

@@ -1,27 +1,46 @@
 """Gateway test fixtures: stand-in engines and gateways as real uvicorn servers on loopback.
 
 Timing and disconnects only behave for real over sockets (in-process ASGI transports buffer whole
-bodies), so every gateway and engine here is a real server in a thread of the test process.
+bodies), so every gateway and engine here is a real server.
+
+Every test that takes the `gateway` fixture runs twice: with one worker (the gateway in a thread
+of the test process) and with two (`--workers 2`: a supervisor and two worker processes on one
+port, tests/gateway/workers_host.py). A test that reads the gateway's in-process state (its
+engines' health, its caches) or hands it a Python callback has no second process to read: it is
+marked `@pytest.mark.one_process("why")` and runs with one worker only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import pickle
+import re
+import signal
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from server.deploy.plan import plan_deployment
 from server.gateway.app import create_app
 from server.gateway.edge.protocol import protocol_for
 from server.gateway.edge.router import Gateway as GatewayApp
+from server.gateway.server import WORKER_HEADER
 from server.gateway.settings import GatewaySettings, ModelEngines
 from tests.standin import Standin, StandinConfig, build_app
-from tests.support import serve_in_thread
+from tests.support import serve_in_thread, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKERS_START_TIMEOUT = 120.0  # fresh interpreters importing the gateway on a busy 2-core machine
+WORKERS_STOP_TIMEOUT = 60.0  # SIGTERM to exit: in-flight streams get `limits.shutdown_grace`
 
 # Stand-ins answer in ~10 ms unless a test needs them slower.
 FAST_ENGINE = {"ttft_ms": 2.0, "itl_ms": 1.0, "tokens": 6}
@@ -43,10 +62,20 @@ class Engine:
 
 @dataclass
 class Gateway:
-    """A running gateway."""
+    """A running gateway: in this process (`app`), or `workers` processes seen from outside only."""
 
     url: str
-    app: GatewayApp
+    in_process: GatewayApp | None
+    workers: int = 1
+
+    @property
+    def app(self) -> GatewayApp:
+        if self.in_process is None:
+            raise AssertionError(
+                "the gateway runs in worker processes: a test that reads its in-process state is "
+                "marked @pytest.mark.one_process(why)"
+            )
+        return self.in_process
 
     @property
     def state(self) -> Any:
@@ -54,6 +83,35 @@ class Gateway:
 
     def engine(self, model: str, index: int = 0) -> Any:
         return self.state.upstreams.models[model].engines[index]
+
+    def each_worker(self, method: str, path: str, **kwargs: Any) -> dict[str, httpx.Response]:
+        """One answer from every worker (by `x-gateway-worker`; "0" in this process), each on a new
+        connection, for what each worker process knows on its own (its engines, its adapters)."""
+        answers: dict[str, httpx.Response] = {}
+
+        def every() -> bool:
+            with httpx.Client(timeout=30) as client:
+                response = client.request(method, f"{self.url}{path}", headers={"connection": "close"}, **kwargs)
+            answers.setdefault(response.headers.get(WORKER_HEADER, "0"), response)
+            return len(answers) >= self.workers
+
+        wait_for(every, interval=0.01, what=lambda: f"workers that answered: {sorted(answers)}")
+        return answers
+
+    def healthy(self, model: str) -> set[int]:
+        """How many engines of `model` each worker counts healthy (its /ready)."""
+        return {r.json()["models"][model]["healthy"] for r in self.each_worker("GET", "/ready").values()}
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the samples `name{labels...}` in the gateway's /metrics (0 when absent):
+        with several workers, whichever answers sums them all (prometheus multiprocess mode)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+        )
 
 
 def fast_settings(models: dict[str, list[str]], **overrides: Any) -> GatewaySettings:
@@ -93,19 +151,110 @@ def engines() -> Iterator[Callable[..., list[Engine]]]:
         yield start
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """The `gateway` fixture's worker counts: 1 and 2, or 1 for a test marked one_process."""
+    if "gateway_workers" in metafunc.fixturenames:
+        one = metafunc.definition.get_closest_marker("one_process") is not None
+        counts = [1] if one else [1, 2]
+        metafunc.parametrize("gateway_workers", counts, ids=[f"{n}-worker{'s' * (n > 1)}" for n in counts])
+
+
 @pytest.fixture
-def gateway() -> Iterator[Callable[..., Gateway]]:
+def gateway(gateway_workers: int, tmp_path: Path) -> Iterator[Callable[..., Gateway]]:
     """start(settings, **create_app kwargs) -> a gateway for settings.models, served on loopback,
-    stopped after the test."""
+    stopped after the test: in this process, or as a two-worker process tree (see the module doc;
+    there `environ` becomes the processes' environment)."""
     with contextlib.ExitStack() as stack:
 
         def start(settings: GatewaySettings, **kwargs: Any) -> Gateway:
+            models = plan_deployment(settings.models).served_models()
+            if gateway_workers > 1:
+                unknown = set(kwargs) - {"environ"}
+                assert not unknown, f"{sorted(unknown)} cannot reach worker processes: mark the test one_process"
+                tree = WorkerTree(settings, models, gateway_workers, kwargs.get("environ"), tmp_path)
+                return Gateway(stack.enter_context(tree.serving()), None, gateway_workers)
             kwargs.setdefault("registry", CollectorRegistry())
-            app = create_app(settings, plan_deployment(settings.models).served_models(), **kwargs)
+            app = create_app(settings, models, **kwargs)
             # The gateway's own connection protocol, as `serve` runs it (edge.protocol).
             return Gateway(stack.enter_context(serve_in_thread(app, http=protocol_for(settings))), app)
 
         yield start
+
+
+class WorkerTree:
+    """`python -m tests.gateway.workers_host`: a gateway supervisor and its workers on port 0."""
+
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        models: list[Any],
+        workers: int,
+        environ: dict[str, str] | None,
+        tmp_path: Path,
+    ):
+        self.spec = {"settings": settings.model_copy(update={"workers": workers, "port": 0}), "models": models}
+        self.workers = workers
+        self.log = tmp_path / f"gateway-{os.getpid()}-{id(self)}.log"
+        ours = ("GATEWAY_", "PROMETHEUS_MULTIPROC_DIR")  # the test's settings and environ only
+        self.env = {**{k: v for k, v in os.environ.items() if not k.startswith(ours)}, **(environ or {})}
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[str]:
+        with self.log.open("wb") as out:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "tests.gateway.workers_host"],
+                cwd=ROOT, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+            )  # fmt: skip
+        assert process.stdin is not None
+        process.stdin.write(pickle.dumps(self.spec))
+        process.stdin.close()
+        pids: set[int] = set()
+        try:
+            url = wait_for(
+                lambda: self._url(process), timeout=WORKERS_START_TIMEOUT, what=lambda: self.log_text()[-3000:]
+            )
+            pids.update(int(pid) for pid in re.findall(r"\d+", self._started_line()[1]))
+            self._wait_for_every_worker(process, url)
+            yield url
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout=WORKERS_STOP_TIMEOUT)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait(timeout=30)
+            for pid in pids:  # never leave a worker behind, even when the test failed
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            # Shown with the test's output when it fails.
+            print(f"--- the {self.workers}-worker gateway's log (tail) ---\n{self.log_text()[-4000:]}")
+
+    def _started_line(self) -> tuple[str, str]:
+        """(url, pids) from the supervisor's start line, or ("", "") before it."""
+        match = re.search(r"gateway on (http://[^/\s]+)/v1 serving .* workers \(pids ([\d ]+)\)", self.log_text())
+        return (match[1], match[2]) if match else ("", "")
+
+    def _url(self, process: subprocess.Popen[bytes]) -> str:
+        if process.poll() is not None:
+            raise AssertionError(f"the gateway exited ({process.returncode}):\n{self.log_text()[-3000:]}")
+        return self._started_line()[0]
+
+    def _wait_for_every_worker(self, process: subprocess.Popen[bytes], url: str) -> None:
+        """Until each worker has answered a request (each new connection goes to one of them)."""
+        seen: set[str] = set()
+
+        def every() -> bool:
+            self._url(process)
+            with contextlib.suppress(httpx.HTTPError), httpx.Client(timeout=30) as client:
+                response = client.get(f"{url}/health", headers={"connection": "close"})
+                seen.add(response.headers.get(WORKER_HEADER, "?"))
+            return len(seen - {"?"}) >= self.workers
+
+        wait_for(every, timeout=WORKERS_START_TIMEOUT, interval=0.02, what=lambda: f"workers that answered: {seen}")
 
 
 def chat_body(

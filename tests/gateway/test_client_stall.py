@@ -7,6 +7,7 @@ import socket
 import threading
 
 import httpx
+import pytest
 
 from tests.gateway.conftest import chat_body, fast_settings, sse_events
 from tests.support import WAIT_TIMEOUT, wait_for
@@ -51,6 +52,7 @@ def _stalling_client(url: str, body: dict) -> socket.socket:
     return sock
 
 
+@pytest.mark.one_process("hands the gateway a Python callback for its request reports")
 def test_a_client_that_stops_reading_is_cut_as_client_stalled_not_as_an_idle_engine(engines, gateway):
     # About 20 MB of stream, produced as fast as the stand-in can: far more than the buffers on the way
     # hold (socket buffers, the gateway's write buffer and its 1 MiB of unread engine bytes). The idle
@@ -75,6 +77,7 @@ def test_a_client_that_stops_reading_is_cut_as_client_stalled_not_as_an_idle_eng
     assert answer.status_code == 200
 
 
+@pytest.mark.one_process("hands the gateway a Python callback for its request reports")
 def test_an_engine_that_stops_sending_to_a_reading_client_is_the_engines_idle_timeout(engines, gateway):
     (engine,) = engines(1)
     log = AccessLog()

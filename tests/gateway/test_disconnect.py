@@ -61,6 +61,7 @@ def test_non_streaming_client_leaving_aborts_the_engine_request(engines, gateway
     wait_until_aborted(engine)
 
 
+@pytest.mark.one_process("reads the gateway's count of outstanding requests per engine")
 def test_after_a_disconnect_the_engine_slot_and_connection_pool_recover(engines, gateway):
     (engine,) = engines(1, **SLOW)
     gw = gateway(fast_settings({"standin": [engine.url]}, timeouts=PATIENT))

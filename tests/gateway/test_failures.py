@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import pytest
 
 from tests.gateway.conftest import chat_body, fast_settings, sse_events
 from tests.support import refusing_port, wait_for
@@ -17,6 +18,7 @@ from tests.support import refusing_port, wait_for
 HANG = 30.0
 
 
+@pytest.mark.one_process("sets and reads an engine's health inside the gateway")
 def test_connection_refused_fails_over_and_marks_the_engine_down(engines, gateway):
     (live,) = engines(1)
     with refusing_port() as port:  # held for the whole test: no other process can serve it meanwhile
@@ -107,6 +109,7 @@ def black_hole() -> Iterator[int]:
         server.close()
 
 
+@pytest.mark.one_process("sets an engine's health inside the gateway")
 def test_connect_timeout_answers_504(gateway):
     with black_hole() as port:
         gw = gateway(

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from server.gateway.proxy.exchange import Exchange
 from tests.gateway.conftest import fast_settings
 from tests.support import wait_for
@@ -41,6 +43,7 @@ def _drive(url: str, count: int) -> int:
     return int(done.stdout.strip())
 
 
+@pytest.mark.one_process("measures the memory of the test process, where the gateway runs")
 def test_no_memory_growth_across_10000_requests(engines, gateway):
     (engine,) = engines(1, ttft_ms=0, itl_ms=0, tokens=3)
     gw = gateway(fast_settings({"standin": [engine.url]}, health={"interval": 60}))

@@ -237,6 +237,7 @@ def test_chat_completions_and_models_pass_through(engines, gateway):
     assert json.loads(events[-2])["usage"]["completion_tokens"] == 6
 
 
+@pytest.mark.one_process("hands the gateway a Python callback for its request reports")
 def test_request_ids_round_trip_to_the_engine_and_back(engines, gateway, caplog):
     (engine,) = engines(1)
     gw = gateway(

@@ -6,11 +6,11 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
 
 from server.gateway.edge.targets import engine_token, token_of
 from tests.gateway.conftest import fast_settings
@@ -30,11 +30,9 @@ def standins() -> Iterator[Callable[..., list[tuple[str, SurfaceStandin]]]]:
         yield start
 
 
-def metric(registry: CollectorRegistry, line_start: str) -> float:
-    for line in generate_latest(registry).decode().splitlines():
-        if line.startswith(line_start + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+def by_url(url: str) -> Any:
+    """What engine_token reads of an engine: its URL as configured."""
+    return SimpleNamespace(url=url)
 
 
 def events(text: str) -> list[dict[str, Any]]:
@@ -52,7 +50,9 @@ def test_response_ids_name_the_engine_and_everything_after_goes_there(standins, 
         assert first.status_code == 200, first.text
         response_id = first.json()["id"]
         owner, other = (a, b) if response_id in a.stored else (b, a)
-        owner_engine = gw.engine("standin", 0 if owner is a else 1)
+        # The id names its engine by its URL alone, so that every worker (and every gateway
+        # replica) finds it without shared state.
+        owner_engine = by_url(a_url if owner is a else b_url)
         assert token_of(response_id) == engine_token(owner_engine)  # the client's request_id was replaced
         for _ in range(6):  # least-outstanding would alternate; the stored response pins every one
             follow = client.post(
@@ -95,7 +95,7 @@ def test_unknown_and_orphaned_response_ids_are_404_in_the_envelope(standins, gat
         )
         assert follow.status_code == 404 and follow.json()["error"]["param"] == "previous_response_id"
         # An id the dead engine made: its engine is gone, and with it the response.
-        orphan = f"resp_{engine_token(gw.engine('other'))}-{'0' * 32}"
+        orphan = f"resp_{engine_token(by_url(dead))}-{'0' * 32}"
         gone = httpx.get(f"{gw.url}/v1/responses/{orphan}", timeout=10)
         assert gone.status_code == 404, gone.text
         assert "is down" in gone.json()["error"]["message"]
@@ -103,20 +103,19 @@ def test_unknown_and_orphaned_response_ids_are_404_in_the_envelope(standins, gat
 
 def test_streamed_responses_measure_ttft_and_usage(standins, gateway):
     ((url, _),) = standins(1, event_delay_s=0.05)
-    registry = CollectorRegistry()
-    gw = gateway(fast_settings({"standin": [url]}), registry=registry)
+    gw = gateway(fast_settings({"standin": [url]}))
     with httpx.stream(
         "POST", f"{gw.url}/v1/responses", json={"model": "standin", "input": "hi", "stream": True}, timeout=10
     ) as answer:
         text = answer.read().decode()
     assert [e["type"] for e in events(text)][-1] == "response.completed"
-    wait_for(lambda: metric(registry, 'gateway_endpoint_requests_total{code="200",endpoint="responses"}') == 1)
-    assert metric(registry, 'gateway_endpoint_time_to_first_token_seconds_count{endpoint="responses"}') == 1
-    assert metric(registry, 'gateway_time_to_first_token_seconds_count{model="standin"}') == 1
+    wait_for(lambda: gw.metric("gateway_endpoint_requests_total", code="200", endpoint="responses") == 1)
+    assert gw.metric("gateway_endpoint_time_to_first_token_seconds_count", endpoint="responses") == 1
+    assert gw.metric("gateway_time_to_first_token_seconds_count", model="standin") == 1
     # 3 deltas, 2 gaps (fewer if a loaded machine delivers two deltas in one read)
-    assert 1 <= metric(registry, 'gateway_inter_token_latency_seconds_count{model="standin"}') <= 2
-    assert metric(registry, 'gateway_prompt_tokens_total{model="standin"}') == 7  # from response.completed
-    assert metric(registry, 'gateway_completion_tokens_total{model="standin"}') == 3
+    assert 1 <= gw.metric("gateway_inter_token_latency_seconds_count", model="standin") <= 2
+    assert gw.metric("gateway_prompt_tokens_total", model="standin") == 7  # from response.completed
+    assert gw.metric("gateway_completion_tokens_total", model="standin") == 3
 
 
 def test_an_engine_dying_mid_stream_ends_a_responses_stream_with_an_error_event(standins, gateway):
@@ -144,13 +143,12 @@ def test_an_engine_dying_mid_stream_ends_a_responses_stream_with_an_error_event(
 
 def test_embeddings_go_to_the_model_named_and_are_counted_by_endpoint(standins, gateway):
     ((chat_url, chat), (embed_url, embed)) = standins(1, model="chat") + standins(1, model="embed")
-    registry = CollectorRegistry()
-    gw = gateway(fast_settings({"chat": [chat_url], "embed": [embed_url]}), registry=registry)
+    gw = gateway(fast_settings({"chat": [chat_url], "embed": [embed_url]}))
     answer = httpx.post(f"{gw.url}/v1/embeddings", json={"model": "embed", "input": ["a", "b"]}, timeout=10)
     assert answer.status_code == 200 and len(answer.json()["data"]) == 2
     assert [r.path for r in embed.requests] == ["/v1/embeddings"] and not chat.requests
-    wait_for(lambda: metric(registry, 'gateway_endpoint_requests_total{code="200",endpoint="embeddings"}') == 1)
-    assert metric(registry, 'gateway_prompt_tokens_total{model="embed"}') == 4
+    wait_for(lambda: gw.metric("gateway_endpoint_requests_total", code="200", endpoint="embeddings") == 1)
+    assert gw.metric("gateway_prompt_tokens_total", model="embed") == 4
 
 
 def test_an_endpoint_the_engine_does_not_serve_is_its_404_in_the_envelope(standins, gateway):
@@ -211,7 +209,9 @@ def test_adapter_requests_go_only_to_replicas_that_serve_them(standins, gateway)
 
 def test_runtime_load_and_unload_reach_every_replica_behind_the_admin_key(standins, gateway):
     (a_url, a), (b_url, b) = standins(2)
-    settings = fast_settings({"standin": [a_url, b_url]})
+    # The worker that takes the load routes the adapter at once; the others (and other gateway
+    # replicas) see it when they next read the engines' /v1/models (health.models_interval).
+    settings = fast_settings({"standin": [a_url, b_url]}, health={"models_interval": 0.1})
     gw = gateway(settings, environ={"GATEWAY_ADMIN_KEYS": "admin-key"})
     load = {"model": "standin", "lora_name": "travel", "lora_path": "/loras/travel"}
     url = f"{gw.url}/v1/load_lora_adapter"
@@ -222,14 +222,34 @@ def test_runtime_load_and_unload_reach_every_replica_behind_the_admin_key(standi
     assert answer.status_code == 200, answer.text
     assert [e["status"] for e in answer.json()["engines"]] == [200, 200]
     assert a.adapters == b.adapters == {"travel": "/loras/travel"}
-    assert "travel" in [m["id"] for m in httpx.get(f"{gw.url}/v1/models").json()["data"]]
+    wait_for(lambda: all("travel" in listed(r) for r in gw.each_worker("GET", "/v1/models").values()))
+    travel = {"model": "travel", "messages": [{"role": "user", "content": "hi"}]}
+    assert all(r.status_code == 200 for r in gw.each_worker("POST", "/v1/chat/completions", json=travel).values())
     again = httpx.post(url, json=load, headers=admin, timeout=10)  # the engines refuse a second load
     assert again.status_code == 400 and again.json()["error"]["code"] == "fan_out_failed"
     unload = httpx.post(
         f"{gw.url}/v1/unload_lora_adapter", json={"model": "standin", "lora_name": "travel"}, headers=admin, timeout=10
     )
     assert unload.status_code == 200 and a.adapters == b.adapters == {}
-    assert "travel" not in [m["id"] for m in httpx.get(f"{gw.url}/v1/models").json()["data"]]
+    wait_for(lambda: all("travel" not in listed(r) for r in gw.each_worker("GET", "/v1/models").values()))
+
+
+def test_an_adapter_loaded_on_the_engine_itself_is_routed_after_the_next_models_read(standins, gateway):
+    ((url, engine),) = standins(1)
+    gw = gateway(fast_settings({"standin": [url]}, health={"models_interval": 0.1}))
+    assert [m["id"] for m in httpx.get(f"{gw.url}/v1/models").json()["data"]] == ["standin"]
+    engine.adapters["travel"] = "/loras/travel"  # as an operator's direct call to the engine would
+    wait_for(lambda: all("travel" in listed(r) for r in gw.each_worker("GET", "/v1/models").values()))
+    body = {"model": "travel", "messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=10).status_code == 200
+    del engine.adapters["travel"]
+    wait_for(lambda: all("travel" not in listed(r) for r in gw.each_worker("GET", "/v1/models").values()))
+    gone = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=10)
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+
+
+def listed(models: httpx.Response) -> list[str]:
+    return [m["id"] for m in models.json()["data"]]
 
 
 def test_without_admin_keys_runtime_lora_is_refused(standins, gateway):

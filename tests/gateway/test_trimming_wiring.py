@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Iterator
 
 import httpx
+import pytest
 from prometheus_client import CollectorRegistry
 
 from server.deploy.plan import plan_deployment
@@ -46,6 +47,7 @@ def test_a_url_model_is_not_trimmed_unless_configured(engines, gateway):
     assert "x-trim-status" not in response.headers
 
 
+@pytest.mark.one_process("reads the gateway's trimming step")
 def test_configured_trimming_fits_the_history_into_the_engines_max_model_len(engines, gateway):
     (engine,) = engines(1, max_model_len=200)
     settings = fast_settings({"standin": [engine.url]})
@@ -145,6 +147,7 @@ def test_a_responses_conversation_is_trimmed_through_the_gateway():
             assert again.status_code == 400
 
 
+@pytest.mark.one_process("reads the gateway's trimming step and its count cache")
 def test_twenty_thousand_new_messages_cost_a_bounded_number_of_tokenize_calls(engines, gateway):
     """Issue 15: one request of 20,000 messages made 20,008 /tokenize calls and churned the shared
     count cache. Now it makes at most calibration + TokenCounter.max_calls + verification calls,

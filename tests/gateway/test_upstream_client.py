@@ -80,6 +80,7 @@ async def test_errors_are_httpx_errors():
             await client.get(f"http://127.0.0.1:{port}/")
 
 
+@pytest.mark.one_process("hands the gateway an httpx client object")
 def test_an_injected_httpx_client_carries_the_proxied_traffic(gateway):
     from tests.gateway.conftest import chat_body, fast_settings, sse_events
     from tests.standin import StandinConfig, build_app

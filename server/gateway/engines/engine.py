@@ -53,6 +53,7 @@ class Engine:
     successes: int = field(default=0, init=False)  # consecutive good checks
     last_error: str | None = field(default=None, init=False)
     card: dict[str, object] | None = field(default=None, init=False)  # its /v1/models entry for `model`
+    card_read_at: float = field(default=float("-inf"), init=False)  # time.monotonic() of the last /v1/models read
     adapters: dict[str, dict[str, object]] = field(default_factory=dict, init=False)  # LoRA: name -> card (adapters.py)
 
     # Load (pool): requests sent and not yet answered in full.

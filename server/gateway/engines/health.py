@@ -3,7 +3,10 @@
 An engine is ejected after `unhealthy_after` failed checks in a row and gets traffic again
 after `healthy_after` good ones (the very first check decides at once). When an engine turns
 healthy its `/v1/models` is read, for the model's `max_model_len` (trimming budgets, the
-gateway's own /v1/models). Checks run in the background and never on a request's path.
+gateway's own /v1/models) and its LoRA adapters, and again every `models_interval` seconds while
+it stays healthy: an adapter loaded through another worker process, another gateway replica or
+on the engine itself is routed here from then on (one loaded through this process, at once:
+proxy.fanout). Checks run in the background and never on a request's path.
 What a check finds is written on the `Engine` (engine.py), where routing reads it.
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 import httpx
 
@@ -64,7 +68,11 @@ class HealthChecker:
                 error = f"/health answered {response.status_code}"
         except httpx.HTTPError as exc:
             ok, error = False, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        if ok and (engine.card is None or not engine.healthy):
+        if ok and (
+            engine.card is None
+            or not engine.healthy
+            or time.monotonic() - engine.card_read_at >= self.config.models_interval
+        ):
             await self.refresh_card(engine)
         was_checked = engine.checked
         if (
@@ -80,6 +88,7 @@ class HealthChecker:
 
     async def refresh_card(self, engine: Engine) -> None:
         """Read the engine's card for its model from /v1/models (max_model_len and all)."""
+        engine.card_read_at = time.monotonic()  # a failed read is retried at the next interval too
         try:
             response = await self.client.get(f"{engine.url}/v1/models", timeout=self.config.timeout)
             response.raise_for_status()

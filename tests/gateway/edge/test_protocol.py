@@ -86,6 +86,10 @@ def test_a_body_that_never_finishes_closes_the_connection_and_nothing_stays_in_f
     wait_for(lambda: in_flight() == 0)
 
 
+@pytest.mark.one_process(
+    "the cap counts one process's connections: with N workers the kernel's spread decides which "
+    "worker a connection meets, so cap+1 to N x cap are open before one is refused"
+)
 def test_connections_beyond_the_cap_are_answered_503_and_closed(engines, gateway):
     (engine,) = engines(1)
     gw = gateway(fast_settings({"standin": [engine.url]}, limits={"max_client_connections": 2}))

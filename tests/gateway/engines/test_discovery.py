@@ -80,6 +80,7 @@ def port_of(url: str) -> int:
     return int(url.rsplit(":", 1)[1])
 
 
+@pytest.mark.one_process("reads which engines the gateway's pool holds")
 def test_replicas_join_and_leave_while_requests_flow_and_none_fails(engines, gateway, dns_zone):
     zone, nameserver = dns_zone
     a, b, c = engines(3)

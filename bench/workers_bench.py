@@ -6,12 +6,18 @@ One stand-in engine (tests/standin.py: 20 ms to the first token, then 10 ms per 
 - `direct`: no proxy (the baseline of added time to first token);
 - `vllm-router`: the Rust router, pinned to core 1;
 - `gateway x1`: `python -m server serve --workers 1`, pinned to core 1;
-- `gateway x2`: `python -m server serve --workers 2`, worker i pinned to core i.
+- `gateway x2`: `python -m server serve --workers 2`, worker i pinned to core i;
+- `gateway x1 capped`, `gateway x2 capped`: the same on core 1 alone, each worker held to a share
+  of a core (`--cap`, 0.25 by default) by a CFS quota of its own (a cgroup under the cpu
+  controller): the engine and the load generator keep core 0 to themselves, so two workers can
+  show what they relay against one where the machine has no two free cores.
 
 For the pinned paths the engine and the load generator (bench/loadgen.py) run on core 0; for
 `gateway x2` no core is left for them, so they float over both cores and take their share of the
 workers' cores: on this 2-core machine two workers cannot show a clean 2x, and the report says
-how much CPU went to the engine and the load generator in the same window.
+how much CPU went to the engine and the load generator in the same window. The capped pair is
+the scaling measurement: each worker gets the same budget, so the ceiling of two over one says
+how much of a second worker's CPU turns into relayed chunks.
 
 Figures per path: added p50 TTFT at 4 streams over direct (interleaved rounds, samples pooled),
 CPU per chunk at 64 streams (the proxy's whole process tree, from /proc), and chunks per second
@@ -21,7 +27,7 @@ below 1.0 core per worker was not what limited the rate. Chunks per proxy CPU-se
 over the proxy's CPU seconds in that window) is what one busy core relays, whatever the rest of
 the machine left it: the figure to size a gateway with.
 
-Usage: python -m bench.workers_bench --output docs/bench [--duration 8] [--paths ...] [--before REV]
+Usage: python -m bench.workers_bench --output docs/bench [--duration 8] [--paths ...] [--before REV] [--cap 0.25]
 """
 
 from __future__ import annotations
@@ -48,10 +54,13 @@ from bench.procs import (
 )
 from bench.proxy_bench import MODEL, engine_stats, git_commit, loadavg, machine
 
-ALL_PATHS = ("direct", "vllm-router", "gateway x1", "gateway x2")
+ALL_PATHS = ("direct", "vllm-router", "gateway x1", "gateway x2", "gateway x1 capped", "gateway x2 capped")
+CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller (cpu.cfs_quota_us)
+CFS_PERIOD_US = 100_000
 LATENCY_AT, CPU_AT = 4, 64
 CEILING_AT = (256, 512, 768)
 BOTH_CORES = "0,1"
+CAPPED = ("gateway x1 capped", "gateway x2 capped")
 
 
 def _children(pid: int) -> list[int]:
@@ -72,7 +81,40 @@ def pin(pid: int, cores: str) -> None:
     subprocess.run(["taskset", "-a", "-p", "-c", cores, str(pid)], check=True, capture_output=True)
 
 
-def start_paths(procs: Processes, engine_url: str, paths: list[str]) -> dict[str, dict]:
+class CpuCaps:
+    """CFS quotas for processes, one cgroup each under the cpu controller, removed on exit."""
+
+    def __init__(self) -> None:
+        self.groups: list[Path] = []
+
+    def __enter__(self) -> CpuCaps:
+        return self
+
+    def cap(self, pid: int, share: float) -> None:
+        """Hold `pid` (every thread) to `share` of one core."""
+        group = CPU_CGROUPS / f"gateway-bench-{os.getpid()}-{pid}"
+        try:
+            group.mkdir()
+            self.groups.append(group)
+            (group / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
+            (group / "cpu.cfs_quota_us").write_text(str(int(share * CFS_PERIOD_US)))
+            (group / "cgroup.procs").write_text(str(pid))
+        except OSError as exc:
+            raise OSError(f"cannot cap pid {pid} at {share} of a core ({group}: {exc})") from exc
+
+    def __exit__(self, *exc: object) -> None:
+        for group in self.groups:  # the processes are gone by now; move any left back, then remove
+            try:
+                for pid in (group / "cgroup.procs").read_text().split():
+                    (CPU_CGROUPS / "cgroup.procs").write_text(pid)
+                group.rmdir()
+            except OSError as error:
+                print(f"!! could not remove {group}: {error}", file=sys.stderr)
+
+
+def start_paths(
+    procs: Processes, engine_url: str, paths: list[str], caps: CpuCaps | None = None, cap: float = 0.25
+) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for path in paths:
         info: dict = {"url": None, "process": None, "command": "", "error": None, "cores": "0"}
@@ -89,13 +131,13 @@ def start_paths(procs: Processes, engine_url: str, paths: list[str]) -> dict[str
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
             ]  # fmt: skip
             core: str | None = "1"
-        elif (gateway := path.partition(" @"))[0] in ("gateway x1", "gateway x2"):
+        elif (gateway := path.partition(" @"))[0] in ("gateway x1", "gateway x2", *CAPPED):
             name, _, rev = gateway  # "gateway x1 @abc1234": one worker of commit abc1234's code
-            workers = name[-1]
+            workers = name.split()[1][1:]
             argv = [PYTHON, "-P", "-m", "server", "serve", "--upstream", f"{MODEL}={engine_url}", "--port", str(port),
                     "--workers", workers]  # fmt: skip
             env["PYTHONPATH"] = str(gateway_code(procs.log_dir, rev) if rev else ROOT)
-            core = "1" if workers == "1" else BOTH_CORES
+            core = "1" if workers == "1" or name in CAPPED else BOTH_CORES
         else:
             raise SystemExit(f"unknown path {path!r}; known: {', '.join(ALL_PATHS)}")
         info["command"] = " ".join(argv)
@@ -110,6 +152,18 @@ def start_paths(procs: Processes, engine_url: str, paths: list[str]) -> dict[str
             info["error"] = wait_chat_ready(info["process"], info["url"], MODEL, timeout=120)
             if info["error"]:
                 print(f"!! {path} is not available: {info['error']}", file=sys.stderr)
+            elif path in CAPPED:
+                pid = info["process"].pid
+                workers = _children(pid) if path == "gateway x2 capped" else [pid]
+                try:
+                    if caps is None:
+                        raise OSError("no CpuCaps given")
+                    for worker in workers:
+                        caps.cap(worker, cap)
+                except OSError as exc:
+                    info["error"] = str(exc)
+                    print(f"!! {path} is not available: {exc}", file=sys.stderr)
+                info.update(workers=workers, cap=cap)
             elif path.startswith("gateway x2"):
                 workers = _children(info["process"].pid)
                 for core, worker in enumerate(workers):
@@ -166,6 +220,7 @@ def ratios(fig: dict[str, dict]) -> dict:
         return None if a is None or b is None or b == 0 else a / b
 
     one, two, router = fig.get("gateway x1", {}), fig.get("gateway x2", {}), fig.get("vllm-router", {})
+    one_capped, two_capped = fig.get("gateway x1 capped", {}), fig.get("gateway x2 capped", {})
     before = next((f for path, f in fig.items() if path.startswith("gateway x1 @")), {})
     return {
         "cpu_per_chunk_before_vs_router": ratio(
@@ -175,6 +230,9 @@ def ratios(fig: dict[str, dict]) -> dict:
         "cpu_per_chunk_x1_vs_router": ratio(one.get("cpu_us_per_chunk_at_64"), router.get("cpu_us_per_chunk_at_64")),
         "cpu_per_chunk_x2_vs_x1": ratio(two.get("cpu_us_per_chunk_at_64"), one.get("cpu_us_per_chunk_at_64")),
         "ceiling_x2_vs_x1": ratio(two.get("ceiling_chunks_per_s"), one.get("ceiling_chunks_per_s")),
+        "ceiling_x2_vs_x1_capped": ratio(
+            two_capped.get("ceiling_chunks_per_s"), one_capped.get("ceiling_chunks_per_s")
+        ),
         # Chunks per proxy CPU-second: what each worker's core relays, two workers against one.
         "per_core_x2_vs_x1": ratio(two.get("chunks_per_proxy_core_s"), one.get("chunks_per_proxy_core_s")),
         "added_ttft_x1_minus_router_ms": _minus(one.get("added_ttft_ms_at_4"), router.get("added_ttft_ms_at_4")),
@@ -252,6 +310,9 @@ def render_markdown(report: dict) -> str:
         f"{_fmt(r['added_ttft_x2_minus_router_ms'], 2, ' ms')} (goal <= +0.3 ms)",
         f"- ceiling, 2 workers / 1 worker: {_fmt(r['ceiling_x2_vs_x1'], 2, 'x')} (goal >= 1.8x where the machine "
         "allows it; here the engine and the load generator share the two cores with the workers)",
+        f"- ceiling with each worker held to {report.get('cap', 0.25)} of a core (CFS quota; engine and load "
+        f"generator alone on core 0), 2 workers / 1 worker: {_fmt(r.get('ceiling_x2_vs_x1_capped'), 2, 'x')} "
+        "(goal >= 1.8x)",
         f"- chunks per proxy CPU-second at the ceiling, 2 workers / 1 worker: "
         f"{_fmt(r.get('per_core_x2_vs_x1'), 2, 'x')} (near 1.0: each worker's core relays what one worker's core "
         "does, so N free cores relay N times as much)",
@@ -290,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="REV",
         help="also run one worker of the gateway at commit REV (path `gateway x1 @REV`), for a before/after in one run",
     )
+    parser.add_argument(
+        "--cap", type=float, default=0.25, help="share of a core each worker of the capped paths may use (CFS quota)"
+    )
     parser.add_argument("--from-json", type=Path, help="only write the report again from an earlier run's JSON")
     args = parser.parse_args(argv)
     if args.from_json:
@@ -306,13 +370,14 @@ def main(argv: list[str] | None = None) -> int:
         "commit": git_commit(),
         "machine": machine(),
         "loadavg_before": loadavg(),
+        "cap": args.cap,
     }
-    with Processes() as procs:
+    with CpuCaps() as caps, Processes() as procs:
         engine, engine_url = start_standin(procs, core=0)
         if error := wait_chat_ready(engine, engine_url, MODEL):
             print(f"the stand-in engine did not start: {error}", file=sys.stderr)
             return 1
-        started = start_paths(procs, engine_url, paths)
+        started = start_paths(procs, engine_url, paths, caps, args.cap)
         report["commands"] = {path: info["command"] for path, info in started.items()}
         report["unavailable"] = {path: info["error"] for path, info in started.items() if info["error"]}
         live = [path for path in paths if not started[path]["error"]]

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-from bench.workers_bench import figures, ratios, render_markdown
+from bench.workers_bench import CPU_CGROUPS, CpuCaps, figures, ratios, render_markdown
 
 
 def window(concurrency: int, chunks: int, proxy_cpu: float | None, ttft_p50: float = 21.0, errors: int = 0) -> dict:
@@ -28,6 +32,8 @@ RESULTS = {
         4: window(4, 1000, 0.3, ttft_p50=21.0), 64: window(64, 50_000, 2.5),
         256: window(256, 150_000, 12.0), 512: window(512, 180_000, 15.0),
     },
+    "gateway x1 capped": {64: window(64, 50_000, 2.0), 256: window(256, 20_000, 2.0)},
+    "gateway x2 capped": {64: window(64, 50_000, 2.0), 256: window(256, 38_000, 4.0)},
 }  # fmt: skip
 
 
@@ -47,18 +53,37 @@ def test_ratios_compare_the_gateway_with_the_router_and_two_workers_with_one():
     assert r["ceiling_x2_vs_x1"] == pytest.approx(180_000 / 100_000)
     assert r["added_ttft_x1_minus_router_ms"] == pytest.approx(0.2)
     assert r["per_core_x2_vs_x1"] == pytest.approx((180_000 / 15.0) / (100_000 / 8.0))
-    assert ratios({})["ceiling_x2_vs_x1"] is None
+    assert r["ceiling_x2_vs_x1_capped"] == pytest.approx(38_000 / 20_000)
+    assert ratios({})["ceiling_x2_vs_x1"] is None and ratios({})["ceiling_x2_vs_x1_capped"] is None
 
 
 def test_the_report_names_every_path_and_goal():
     report = {
         "date": "d", "commit": "c", "loadavg_before": "0", "loadavg_after": "0", "unavailable": {},
         "machine": {"cpu": "x", "cores": 2, "kernel": "k", "python": "3.11", "vllm_router": "0.1"},
-        "results": RESULTS,
+        "results": RESULTS, "cap": 0.3,
     }  # fmt: skip
     report["figures"] = {path: figures(RESULTS, path) for path in RESULTS}
     report["ratios"] = ratios(report["figures"])
     text = render_markdown(report)
     for needle in ("| gateway x2 |", "| vllm-router |", "goal <= 1.25x", "2 workers / 1 worker: 1.80x", "## Method",
-                   "gateway x1 at 512 streams: 3 (status 503 x3)"):  # fmt: skip
+                   "gateway x1 at 512 streams: 3 (status 503 x3)",
+                   "held to 0.3 of a core (CFS quota; engine and load generator alone on core 0), 2 workers / 1 "
+                   "worker: 1.90x"):  # fmt: skip
         assert needle in text
+
+
+@pytest.mark.skipif(not os.access(CPU_CGROUPS, os.W_OK), reason="no writable cgroup cpu controller here")
+def test_a_capped_process_gets_its_quota_and_the_cgroup_goes_with_the_caps():
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        with CpuCaps() as caps:
+            caps.cap(process.pid, 0.25)
+            (group,) = caps.groups
+            assert (group / "cpu.cfs_quota_us").read_text().strip() == "25000"
+            assert (group / "cpu.cfs_period_us").read_text().strip() == "100000"
+            assert (group / "cgroup.procs").read_text().split() == [str(process.pid)]
+        assert not group.exists()  # the process, still running, was moved back first
+    finally:
+        process.kill()
+        process.wait()

@@ -151,12 +151,36 @@ def engines() -> Iterator[Callable[..., list[Engine]]]:
         yield start
 
 
+WORKER_COUNTS = (1, 2)
+WORKER_IDS = ["1-worker", "2-workers"]
+
+
+@contextlib.contextmanager
+def served_gateway(
+    settings: GatewaySettings,
+    models: list[Any],
+    workers: int,
+    log_dir: Path,
+    environ: dict[str, str] | None = None,
+) -> Iterator[str]:
+    """A gateway for `models`, its URL while the block runs: in this process with one worker,
+    else as a process tree of `workers` (for the module-scoped gateways of the tables and the
+    real-engine tests, which take `params=WORKER_COUNTS`)."""
+    if workers > 1:
+        with WorkerTree(settings, models, workers, environ, log_dir).serving() as url:
+            yield url
+        return
+    app = create_app(settings, models, registry=CollectorRegistry(), environ=environ)
+    with serve_in_thread(app, http=protocol_for(settings)) as url:
+        yield url
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """The `gateway` fixture's worker counts: 1 and 2, or 1 for a test marked one_process."""
     if "gateway_workers" in metafunc.fixturenames:
         one = metafunc.definition.get_closest_marker("one_process") is not None
-        counts = [1] if one else [1, 2]
-        metafunc.parametrize("gateway_workers", counts, ids=[f"{n}-worker{'s' * (n > 1)}" for n in counts])
+        n = 1 if one else len(WORKER_COUNTS)
+        metafunc.parametrize("gateway_workers", WORKER_COUNTS[:n], ids=WORKER_IDS[:n])
 
 
 @pytest.fixture
@@ -192,7 +216,8 @@ class WorkerTree:
         environ: dict[str, str] | None,
         tmp_path: Path,
     ):
-        self.spec = {"settings": settings.model_copy(update={"workers": workers, "port": 0}), "models": models}
+        loopback = settings.model_copy(update={"workers": workers, "host": "127.0.0.1", "port": 0})
+        self.spec = {"settings": loopback, "models": models}
         self.workers = workers
         self.log = tmp_path / f"gateway-{os.getpid()}-{id(self)}.log"
         ours = ("GATEWAY_", "PROMETHEUS_MULTIPROC_DIR")  # the test's settings and environ only

@@ -54,9 +54,8 @@ from server.config import SettingsError
 from server.deploy.plan import plan_deployment
 from server.engine.profiles import TrimmingConfig
 from server.gateway.app import create_app
-from server.gateway.edge.protocol import protocol_for
 from server.gateway.settings import ModelEngines
-from tests.gateway.conftest import FAST_ENGINE, chat_body, fast_settings
+from tests.gateway.conftest import FAST_ENGINE, WORKER_COUNTS, WORKER_IDS, chat_body, fast_settings, served_gateway
 from tests.standin import StandinConfig, build_app
 from tests.support import WAIT_TIMEOUT, serve_in_thread, wait_for
 
@@ -128,8 +127,8 @@ class Table:
         return httpx.get(f"{self.url}/metrics", timeout=WAIT_TIMEOUT).text
 
 
-@pytest.fixture(scope="module")
-def table() -> Iterator[Table]:
+@pytest.fixture(scope="module", params=WORKER_COUNTS, ids=WORKER_IDS)
+def table(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Table]:
     with contextlib.ExitStack() as stack:
         standin = stack.enter_context(serve_in_thread(build_app(StandinConfig(**FAST_ENGINE, max_model_len=2048))))
         liar = stack.enter_context(serve_in_thread(lying_engine))
@@ -142,13 +141,9 @@ def table() -> Iterator[Table]:
             ModelEngines(name="standin", urls=[standin], trimming=TrimmingConfig(mode="auto")),
             ModelEngines(name="liar", urls=[liar]),
         ]
-        app = create_app(
-            settings,
-            plan_deployment(settings.models).served_models(),
-            registry=CollectorRegistry(),
-            environ={"TABLE_KEYS": KEY},
-        )
-        url = stack.enter_context(serve_in_thread(app, http=protocol_for(settings)))
+        models = plan_deployment(settings.models).served_models()
+        log_dir = tmp_path_factory.mktemp("table")
+        url = stack.enter_context(served_gateway(settings, models, request.param, log_dir, {"TABLE_KEYS": KEY}))
         yield Table(url, standin)
 
 

@@ -18,12 +18,10 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry
 
 from server.config import ServedModel
-from server.gateway.app import create_app
 from server.gateway.settings import GatewaySettings
-from tests.support import serve_in_thread
+from tests.gateway.conftest import WORKER_COUNTS, WORKER_IDS, served_gateway
 
 pytestmark = pytest.mark.engine
 
@@ -145,15 +143,15 @@ def send(client: httpx.Client, base: str, row: Row, headers: dict[str, str]) -> 
     return client.request(row.method, base + row.path, json=row.body, headers=headers)
 
 
-@pytest.fixture(scope="module")
-def gateway_url(real_engine, real_embed_engine):
+@pytest.fixture(scope="module", params=WORKER_COUNTS, ids=WORKER_IDS)
+def gateway_url(real_engine, real_embed_engine, request, tmp_path_factory):
     settings = GatewaySettings(auth={"api_keys_env": "TEST_DIFFERENTIAL_KEYS"})
     models = [
         ServedModel(real_engine.model, [real_engine.url], real_engine.profile),
         ServedModel(real_embed_engine.model, [real_embed_engine.url], real_embed_engine.profile),
     ]
-    app = create_app(settings, models, registry=CollectorRegistry(), environ={"TEST_DIFFERENTIAL_KEYS": KEY})
-    with serve_in_thread(app) as url:
+    log_dir = tmp_path_factory.mktemp("gateway")
+    with served_gateway(settings, models, request.param, log_dir, {"TEST_DIFFERENTIAL_KEYS": KEY}) as url:
         yield url
 
 

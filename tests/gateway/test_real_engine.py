@@ -9,12 +9,11 @@ import threading
 import httpx
 import openai
 import pytest
-from prometheus_client import CollectorRegistry
 
 from server.config import ServedModel
-from server.gateway.app import create_app
 from server.gateway.settings import GatewaySettings
-from tests.support import serve_in_thread, wait_for
+from tests.gateway.conftest import WORKER_COUNTS, WORKER_IDS, served_gateway
+from tests.support import wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -22,14 +21,12 @@ MESSAGES = [{"role": "user", "content": "Plan a day in Lisbon."}]
 NO_EOS = {"ignore_eos": True}  # the tiny model's random weights may pick the end token early
 
 
-@pytest.fixture(scope="module")
-def gateway_url(real_engine):
+@pytest.fixture(scope="module", params=WORKER_COUNTS, ids=WORKER_IDS)
+def gateway_url(real_engine, request, tmp_path_factory):
     settings = GatewaySettings(auth={"api_keys_env": "TEST_REAL_ENGINE_GATEWAY_KEYS"})
     models = [ServedModel(real_engine.model, [real_engine.url], real_engine.profile)]
-    app = create_app(
-        settings, models, registry=CollectorRegistry(), environ={"TEST_REAL_ENGINE_GATEWAY_KEYS": "sk-test"}
-    )
-    with serve_in_thread(app) as url:
+    log_dir = tmp_path_factory.mktemp("gateway")
+    with served_gateway(settings, models, request.param, log_dir, {"TEST_REAL_ENGINE_GATEWAY_KEYS": "sk-test"}) as url:
         yield url
 
 

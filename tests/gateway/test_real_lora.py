@@ -12,19 +12,19 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from prometheus_client import CollectorRegistry
 
 from server.config import ServedModel
-from server.gateway.app import create_app
 from server.gateway.settings import GatewaySettings
 from tests.engine_process import running_engine
-from tests.support import serve_in_thread
+from tests.gateway.conftest import WORKER_COUNTS, WORKER_IDS, Gateway, served_gateway
+from tests.support import wait_for
 
 pytestmark = pytest.mark.engine
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN = "admin-lora"
 GREEDY = {"temperature": 0, "ignore_eos": True}
+POLL_DEADLINE_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +34,25 @@ def lora_engine(tmp_path_factory):
     )
 
 
-@pytest.fixture(scope="module")
-def gateway_url(real_engine, lora_engine):
+@pytest.fixture(scope="module", params=WORKER_COUNTS, ids=WORKER_IDS)
+def gateway(real_engine, lora_engine, request, tmp_path_factory):
     models = [ServedModel("tiny", [real_engine.url, lora_engine.url], lora_engine.profile)]
-    app = create_app(GatewaySettings(), models, registry=CollectorRegistry(), environ={"GATEWAY_ADMIN_KEYS": ADMIN})
-    with serve_in_thread(app) as url:
-        yield url
+    # Each worker re-reads the engines' /v1/models at most every second (at each health check, 2 s).
+    settings = GatewaySettings(health={"models_interval": 1.0})
+    log_dir = tmp_path_factory.mktemp("gateway")
+    with served_gateway(settings, models, request.param, log_dir, {"GATEWAY_ADMIN_KEYS": ADMIN}) as url:
+        yield Gateway(url, None, request.param)
+
+
+@pytest.fixture
+def gateway_url(gateway):
+    return gateway.url
+
+
+def listed(gateway: Gateway, model: str) -> set[bool]:
+    """Whether each worker lists `model` in its /v1/models: {True} when every one does."""
+    answers = gateway.each_worker("GET", "/v1/models").values()
+    return {model in [m["id"] for m in answer.json()["data"]] for answer in answers}
 
 
 def test_the_adapter_is_listed_and_served_only_where_it_is(gateway_url):
@@ -58,7 +71,8 @@ def test_the_adapter_is_listed_and_served_only_where_it_is(gateway_url):
     assert len(texts) == 1 and base.choices[0].text not in texts  # greedy: one answer, not the base model's
 
 
-def test_runtime_load_reaches_every_replica(gateway_url, lora_engine):
+def test_runtime_load_reaches_every_replica(gateway, lora_engine):
+    gateway_url = gateway.url
     body = {"model": "tiny", "lora_name": "tiny-travel-runtime", "lora_path": str(ROOT / ".cache/tiny-lora")}
     answer = httpx.post(
         f"{gateway_url}/v1/load_lora_adapter", json=body, headers={"authorization": f"Bearer {ADMIN}"}, timeout=120
@@ -67,6 +81,8 @@ def test_runtime_load_reaches_every_replica(gateway_url, lora_engine):
     assert answer.status_code == 404, answer.text
     message = answer.json()["error"]["message"]
     assert "1 of 2 replicas" in message and "Success" in message
+    # The worker that took the load routes it at once, every other one after its next /v1/models read.
+    wait_for(lambda: listed(gateway, "tiny-travel-runtime") == {True}, timeout=POLL_DEADLINE_S)
     with openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
         for _ in range(3):  # routed to the replica that loaded it, and only there
             client.completions.create(model="tiny-travel-runtime", prompt="x", max_tokens=2)
@@ -77,5 +93,4 @@ def test_runtime_load_reaches_every_replica(gateway_url, lora_engine):
         timeout=120,
     )
     assert unload.status_code == 404  # again: the chat engine has no endpoint for it
-    models = httpx.get(f"{gateway_url}/v1/models", timeout=10).json()["data"]
-    assert "tiny-travel-runtime" not in [m["id"] for m in models]
+    wait_for(lambda: listed(gateway, "tiny-travel-runtime") == {False}, timeout=POLL_DEADLINE_S)

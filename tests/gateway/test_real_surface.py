@@ -11,13 +11,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from prometheus_client import CollectorRegistry
 
 from server.config import ServedModel
-from server.gateway.app import create_app
 from server.gateway.edge.targets import engine_token, token_of
 from server.gateway.settings import GatewaySettings
-from tests.support import serve_in_thread
+from tests.gateway.conftest import WORKER_COUNTS, WORKER_IDS, served_gateway
 
 pytestmark = pytest.mark.engine
 
@@ -26,15 +24,15 @@ NO_EOS = {"ignore_eos": True}  # the tiny model's random weights may pick the en
 POLL_DEADLINE_S = 120.0
 
 
-@pytest.fixture(scope="module")
-def gateway_url(real_engine, real_embed_engine):
+@pytest.fixture(scope="module", params=WORKER_COUNTS, ids=WORKER_IDS)
+def gateway_url(real_engine, real_embed_engine, request, tmp_path_factory):
     settings = GatewaySettings(auth={"api_keys_env": "TEST_SURFACE_KEYS"})
     models = [
         ServedModel(real_engine.model, [real_engine.url], real_engine.profile),
         ServedModel(real_embed_engine.model, [real_embed_engine.url], real_embed_engine.profile),
     ]
-    app = create_app(settings, models, registry=CollectorRegistry(), environ={"TEST_SURFACE_KEYS": KEY})
-    with serve_in_thread(app) as url:
+    log_dir = tmp_path_factory.mktemp("gateway")
+    with served_gateway(settings, models, request.param, log_dir, {"TEST_SURFACE_KEYS": KEY}) as url:
         yield url
 
 

@@ -198,9 +198,8 @@ def figures(results: dict[str, dict[int, dict]], path: str) -> dict:
     base = direct.get(LATENCY_AT, {}).get("ttft_ms", {}).get("p50")
     out["added_ttft_ms_at_4"] = None if ttft is None or base is None or path == "direct" else ttft - base
     at = mine.get(CPU_AT)
-    out["cpu_us_per_chunk_at_64"] = (
-        at["cpu_s"]["proxy"] / at["chunks"] * 1e6 if at and "proxy" in at["cpu_s"] and at["chunks"] else None
-    )
+    out["cpu_us_per_chunk_at_64"] = _cpu_per_chunk(at) if at else None
+    out["cpu_us_per_chunk_rounds"] = at.get("rounds_cpu_us_per_chunk", []) if at else []
     ceiling = max((mine[c] for c in CEILING_AT if c in mine), key=lambda r: r["chunks_per_s"], default=None)
     if ceiling is not None:
         out["ceiling_chunks_per_s"] = ceiling["chunks_per_s"]
@@ -214,6 +213,11 @@ def figures(results: dict[str, dict[int, dict]], path: str) -> dict:
         # the rest of a shared machine left it (the operator's sizing figure).
         out["chunks_per_proxy_core_s"] = ceiling["chunks"] / proxy_cpu if proxy_cpu else None
     return out
+
+
+def _cpu_per_chunk(window: dict) -> float | None:
+    proxy = window["cpu_s"].get("proxy")
+    return proxy / window["chunks"] * 1e6 if proxy is not None and window["chunks"] else None
 
 
 def ratios(fig: dict[str, dict]) -> dict:
@@ -252,6 +256,15 @@ def _fmt(value, digits: int = 1, suffix: str = "") -> str:
     if value is None:
         return "n/a"
     return f"{value:.{digits}f}{suffix}" if isinstance(value, float) else f"{value}{suffix}"
+
+
+def _rounds_line(fig: dict[str, dict]) -> list[str]:
+    rounds = [
+        f"{path} {', '.join(_fmt(v, 1) for v in f['cpu_us_per_chunk_rounds'])} us"
+        for path, f in fig.items()
+        if f.get("cpu_us_per_chunk_rounds")
+    ]
+    return [f"- CPU per chunk at 64 streams in each interleaved round: {'; '.join(rounds)}"] if rounds else []
 
 
 def _errors(results: dict[str, dict[int, dict]]) -> str:
@@ -300,6 +313,7 @@ def render_markdown(report: dict) -> str:
         "",
         f"- CPU per chunk, gateway (1 worker) / vllm-router: {_fmt(r['cpu_per_chunk_x1_vs_router'], 2, 'x')} "
         "(goal <= 1.25x)",
+        *_rounds_line(report["figures"]),
         *(
             [
                 f"- CPU per chunk, the gateway at an earlier commit (1 worker) / vllm-router: "
@@ -348,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=8.0, help="measurement window, seconds")
     parser.add_argument("--low-duration", type=float, default=12.0, help="window at 4 streams, seconds (pooled)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved windows at 4 streams")
+    parser.add_argument("--cpu-rounds", type=int, default=3, help="interleaved windows at 64 streams (CPU per chunk)")
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--paths", default=",".join(ALL_PATHS))
     parser.add_argument(
@@ -392,7 +407,9 @@ def main(argv: list[str] | None = None) -> int:
         plan = [(LATENCY_AT, live), (CPU_AT, [p for p in live if p != "direct"])]
         plan += [(c, [p for p in live if p != "direct"]) for c in CEILING_AT]
         for concurrency, measured in plan:
-            rounds = args.rounds if concurrency == LATENCY_AT else 1
+            # Interleaved rounds at 4 streams (latency) and at 64 (CPU per chunk): a drift of the
+            # machine over the run then weighs on every path alike.
+            rounds = {LATENCY_AT: args.rounds, CPU_AT: args.cpu_rounds}.get(concurrency, 1)
             duration = args.low_duration / rounds if concurrency == LATENCY_AT else args.duration
             windows: dict[str, list[dict]] = {path: [] for path in measured}
             for _ in range(rounds):
@@ -404,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
             for path in measured:
                 result = summarize(windows[path])
                 result.pop("ttft_samples_ms", None)
+                if rounds > 1:
+                    result["rounds_cpu_us_per_chunk"] = [_cpu_per_chunk(w) for w in windows[path]]
                 results[path][concurrency] = result
                 print(
                     f"{path:>12} {concurrency:>4} streams: {result['chunks_per_s']:7.0f} chunks/s, TTFT p50 "

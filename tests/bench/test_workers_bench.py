@@ -57,6 +57,23 @@ def test_ratios_compare_the_gateway_with_the_router_and_two_workers_with_one():
     assert ratios({})["ceiling_x2_vs_x1"] is None and ratios({})["ceiling_x2_vs_x1_capped"] is None
 
 
+def test_cpu_rounds_are_reported_each():
+    results = {
+        "vllm-router": {64: {**window(64, 150_000, 4.5), "rounds_cpu_us_per_chunk": [29.0, 31.0, 30.0]}},
+        "gateway x1": {64: {**window(64, 150_000, 6.0), "rounds_cpu_us_per_chunk": [41.5, 38.5, 40.0]}},
+    }
+    fig = {path: figures(results, path) for path in results}
+    assert fig["gateway x1"]["cpu_us_per_chunk_rounds"] == [41.5, 38.5, 40.0]
+    report = {
+        "date": "d", "commit": "c", "loadavg_before": "0", "loadavg_after": "0", "unavailable": {},
+        "machine": {"cpu": "x", "cores": 2, "kernel": "k", "python": "3.11", "vllm_router": "0.1"},
+        "results": results, "figures": fig, "ratios": ratios(fig),
+    }  # fmt: skip
+    text = render_markdown(report)
+    assert "each interleaved round: vllm-router 29.0, 31.0, 30.0 us; gateway x1 41.5, 38.5, 40.0 us" in text
+    assert "gateway (1 worker) / vllm-router: 1.33x" in text
+
+
 def test_the_report_names_every_path_and_goal():
     report = {
         "date": "d", "commit": "c", "loadavg_before": "0", "loadavg_after": "0", "unavailable": {},

@@ -81,6 +81,11 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     """uvicorn's protocol plus the limits of the module doc."""
 
     limits: ConnectionLimits  # set on the class by ConnectionLimits.protocol()
+    # What the connection waits for ("headers", "body" or None) and by when (the loop's clock). The
+    # timer is armed after a read that left something due, not per request: a request that
+    # arrives whole in one read (the common case) arms and cancels no timer at all.
+    _stage: str | None = None
+    _due = 0.0
     _timer: asyncio.TimerHandle | None = None
     # (the request's cycle, what to call if its client leaves): see watch_disconnect
     _disconnect_watch: tuple[Any, Callable[[], None]] | None = None
@@ -94,7 +99,13 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 )
             )
             return
-        self._arm(self.limits.header_timeout, "headers")
+        self._expect("headers", self.limits.header_timeout)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._stage is not None and self._timer is None:
+            self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -115,34 +126,41 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        if self._timer is None:  # a keep-alive connection's next request: its headers are due too
-            self._arm(self.limits.header_timeout, "headers")
+        if self._stage is None:  # a keep-alive connection's next request: its headers are due too
+            self._expect("headers", self.limits.header_timeout)
 
     def on_headers_complete(self) -> None:
-        self._disarm()
+        self._stage = None
         super().on_headers_complete()
-        self._arm(self.limits.body_timeout, "body")
+        self._expect("body", self.limits.body_timeout)
 
     def on_message_complete(self) -> None:
-        self._disarm()
+        self._stage = None
         super().on_message_complete()
 
     # -- timers -----------------------------------------------------------------------------------
 
-    def _arm(self, seconds: float, stage: str) -> None:
-        self._disarm()
-        self._timer = self.loop.call_later(seconds, self._expired, stage)
+    def _expect(self, stage: str, seconds: float) -> None:
+        self._stage = stage
+        self._due = self.loop.time() + seconds
+
+    def _arm(self) -> None:
+        self._timer = self.loop.call_at(self._due, self._expired)
 
     def _disarm(self) -> None:
+        self._stage = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
-    def _expired(self, stage: str) -> None:
+    def _expired(self) -> None:
         self._timer = None
-        if self.transport.is_closing():
+        stage = self._stage
+        if stage is None or self.transport.is_closing():
             return
-        if stage == "headers" and (self.cycle is None or self.cycle.response_complete):
+        if self._due - self.loop.time() > 0.001:  # armed for an earlier stage, since done: wait for this one
+            self._arm()
+        elif stage == "headers" and (self.cycle is None or self.cycle.response_complete):
             self._refuse(
                 RequestTimeout(f"The request's headers did not arrive within {self.limits.header_timeout:g} s.")
             )

@@ -118,7 +118,6 @@ async def _splice(response, *, full_after: int | None = None):
         assert response._connection.paused  # the engine's socket is not read while the client is full
 
     await response.splice(got.append, flush, drain)
-    assert flushed and flushed[-1] == len(got)  # flushed after the read that brought the last chunk
     return got, drains
 
 
@@ -189,6 +188,45 @@ async def test_an_engine_that_dies_mid_body_fails_the_splice_with_an_httpx_error
     await server.wait_closed()
 
 
+async def test_what_the_read_that_ends_the_body_gave_is_left_to_the_caller_not_flushed():
+    async def handle(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(1)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nhel\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.write(b"1\r\nl\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.write(b"1\r\no\r\n0\r\n\r\n")  # the last chunk and the end in one read
+        await writer.drain()
+        await reader.read()  # until the client closes the connection
+        writer.close()
+        done.set_result(None)
+
+    done = asyncio.get_running_loop().create_future()
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    transport = UpstreamTransport()
+    response = await transport.post(transport.target(f"http://127.0.0.1:{port}/"), [], b"x")
+    assert await response.read_chunk() == b"hel"
+    got: list[bytes] = []
+    flushed: list[int] = []
+
+    async def drain() -> None:
+        pass
+
+    await response.splice(got.append, lambda: bool(flushed.append(len(got))), drain)
+    # Flushed after the read that brought "l"; not after the one that brought "o" and the body's end:
+    # what that read brought is the caller's to send with the end of its own answer.
+    assert got == [b"l", b"o"] and flushed == [1]
+    await response.aclose()
+    await transport.aclose()
+    await done
+    server.close()
+    await server.wait_closed()
+
+
 async def test_under_another_asgi_server_the_body_goes_through_its_send():
     from server.gateway.edge.protocol import SendWriter, body_writer
 
@@ -210,7 +248,7 @@ async def test_under_another_asgi_server_the_body_goes_through_its_send():
     assert messages == [{"type": "http.response.body", "body": b"ab", "more_body": True}]
 
 
-def test_chunks_written_together_leave_in_one_write_framed_as_http_chunks():
+def test_chunks_written_together_leave_in_one_write_framed_as_one_http_chunk():
     from types import SimpleNamespace
 
     from server.gateway.edge.protocol import ChunkedWriter
@@ -224,7 +262,37 @@ def test_chunks_written_together_leave_in_one_write_framed_as_http_chunks():
     writer.write(b"data: 22\n\n")
     flow.write_paused = True  # the client's buffer went over its high-water mark
     assert writer.flush()
-    assert writes == [b"9\r\ndata: 1\n\n\r\na\r\ndata: 22\n\n\r\n"]
+    assert writes == [b"13\r\ndata: 1\n\ndata: 22\n\n\r\n"]
     cycle.disconnected = True
     writer.write(b"x")
     assert not writer.flush() and len(writes) == 1  # a client that left is written nothing
+
+
+async def test_the_response_head_leaves_with_the_first_chunk_and_the_last_chunks_with_the_end():
+    from types import SimpleNamespace
+
+    from server.gateway.edge.protocol import ChunkedWriter, start_body
+
+    writes: list[bytes] = []
+    transport = SimpleNamespace(write=writes.append)
+
+    class Cycle:  # what of uvicorn's RequestResponseCycle the writer uses
+        disconnected = response_started = response_complete = False
+        chunked_encoding = None
+        flow = SimpleNamespace(write_paused=False)
+
+        def __init__(self) -> None:
+            self.transport = transport
+
+        async def send(self, message):  # uvicorn writes a response head to its transport
+            self.response_started = self.chunked_encoding = True
+            self.transport.write(b"HTTP/1.1 200 OK\r\n\r\n")
+
+    cycle = Cycle()
+    writer = await start_body(cycle.send, {"type": "http.response.start", "status": 200, "headers": []})
+    assert isinstance(writer, ChunkedWriter) and cycle.transport is transport and writes == []
+    writer.write(b"data: 1\n\n")
+    writer.flush()
+    assert writes == [b"HTTP/1.1 200 OK\r\n\r\n9\r\ndata: 1\n\n\r\n"]  # one system call
+    writer.write(b"data: [DONE]\n\n")
+    assert writer.release() == b"data: [DONE]\n\n" and len(writes) == 1  # for `send`, with the last chunk

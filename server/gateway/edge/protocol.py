@@ -13,12 +13,15 @@ server needs and uvicorn does not do by itself:
   stopped reading is closed without waiting for the unsent bytes to drain;
 - the app can write a started streamed body straight to the connection (`body_writer(send)`):
   the relay frames each chunk and writes it from the engine connection's callback, without an
-  ASGI message, uvicorn's `send` and a task step per chunk.
+  ASGI message, uvicorn's `send` and a task step per chunk;
+- the app can learn that a request's client left from the connection itself
+  (`watch_disconnect(send, callback)`), without a task per request waiting on `receive`.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -78,7 +81,14 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     """uvicorn's protocol plus the limits of the module doc."""
 
     limits: ConnectionLimits  # set on the class by ConnectionLimits.protocol()
+    # What the connection waits for ("headers", "body" or None) and by when (the loop's clock). The
+    # timer is armed after a read that left something due, not per request: a request that
+    # arrives whole in one read (the common case) arms and cancels no timer at all.
+    _stage: str | None = None
+    _due = 0.0
     _timer: asyncio.TimerHandle | None = None
+    # (the request's cycle, what to call if its client leaves): see watch_disconnect
+    _disconnect_watch: tuple[Any, Callable[[], None]] | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -89,11 +99,26 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 )
             )
             return
-        self._arm(self.limits.header_timeout, "headers")
+        self._expect("headers", self.limits.header_timeout)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._stage is not None and self._timer is None:
+            self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+        watch = self._disconnect_watch
+        if watch is not None:
+            self._disconnect_watch = None
+            cycle, callback = watch
+            if cycle.disconnected:  # what the request's `receive` would now answer http.disconnect for
+                callback()
+
+    def _unwatch_disconnect(self) -> None:
+        self._disconnect_watch = None
 
     def send_400_response(self, msg: str) -> None:
         self._disarm()
@@ -101,34 +126,41 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        if self._timer is None:  # a keep-alive connection's next request: its headers are due too
-            self._arm(self.limits.header_timeout, "headers")
+        if self._stage is None:  # a keep-alive connection's next request: its headers are due too
+            self._expect("headers", self.limits.header_timeout)
 
     def on_headers_complete(self) -> None:
-        self._disarm()
+        self._stage = None
         super().on_headers_complete()
-        self._arm(self.limits.body_timeout, "body")
+        self._expect("body", self.limits.body_timeout)
 
     def on_message_complete(self) -> None:
-        self._disarm()
+        self._stage = None
         super().on_message_complete()
 
     # -- timers -----------------------------------------------------------------------------------
 
-    def _arm(self, seconds: float, stage: str) -> None:
-        self._disarm()
-        self._timer = self.loop.call_later(seconds, self._expired, stage)
+    def _expect(self, stage: str, seconds: float) -> None:
+        self._stage = stage
+        self._due = self.loop.time() + seconds
+
+    def _arm(self) -> None:
+        self._timer = self.loop.call_at(self._due, self._expired)
 
     def _disarm(self) -> None:
+        self._stage = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
-    def _expired(self, stage: str) -> None:
+    def _expired(self) -> None:
         self._timer = None
-        if self.transport.is_closing():
+        stage = self._stage
+        if stage is None or self.transport.is_closing():
             return
-        if stage == "headers" and (self.cycle is None or self.cycle.response_complete):
+        if self._due - self.loop.time() > 0.001:  # armed for an earlier stage, since done: wait for this one
+            self._arm()
+        elif stage == "headers" and (self.cycle is None or self.cycle.response_complete):
             self._refuse(
                 RequestTimeout(f"The request's headers did not arrive within {self.limits.header_timeout:g} s.")
             )
@@ -155,35 +187,70 @@ def abort_connection(send: Any) -> bool:
     return True
 
 
+def watch_disconnect(send: Any, callback: Callable[[], None]) -> Callable[[], None] | None:
+    """Call `callback()` once if the client of the request that `send` (uvicorn's, on a
+    GatewayHttpProtocol connection) answers leaves before its response is complete: when its
+    `receive` would return `http.disconnect`, but from the connection's own `connection_lost`,
+    with no task waiting on `receive`. Returns the function that stops watching (to be called
+    before the request ends: the connection holds `callback` until then); None when `send` is
+    not such a connection's (then wait on `receive` for `http.disconnect`)."""
+    cycle: Any = getattr(send, "__self__", None)
+    get_protocol = getattr(getattr(cycle, "transport", None), "get_protocol", None)
+    protocol = get_protocol() if get_protocol is not None else None
+    if not isinstance(protocol, GatewayHttpProtocol) or not hasattr(cycle, "disconnected"):
+        return None
+    if cycle.disconnected or cycle.response_complete:  # `receive` would answer http.disconnect at once
+        protocol.loop.call_soon(callback)
+        return _keep_watching_nothing
+    cycle.flow.resume_reading()  # as `receive` does: a paused connection would not see its client leave
+    protocol._disconnect_watch = (cycle, callback)
+    return protocol._unwatch_disconnect
+
+
+def _keep_watching_nothing() -> None:
+    pass
+
+
 class ChunkedWriter:
     """A started chunked response's body, written straight to the client's transport (`body_writer`).
 
-    `write` frames one HTTP/1.1 chunk; `flush` writes what was framed since the last flush in one
-    system call (the relay flushes once per read from the engine: chunks that arrived together
-    leave together) and returns True when the client's buffer is above its high-water mark
-    (uvicorn's flow control): the caller then waits for `drain()` before writing more. A client
-    that has gone is written nothing. The response is still ended through uvicorn's `send` (it
-    writes the last chunk and keeps the connection's state for keep-alive), after a flush.
+    `write` takes bytes for the client; `flush` writes what was written since the last flush as one
+    HTTP/1.1 chunk in one system call (the relay flushes once per read from the engine: chunks
+    that arrived together leave together), after the response head if that is still held
+    (`start_body`: the head and the first chunk leave together), and returns True when the
+    client's buffer is above its high-water mark (uvicorn's flow control): the caller then waits
+    for `drain()` before writing more. A client that has gone is written nothing. The response
+    is ended through uvicorn's `send` (it keeps the connection's state for keep-alive), with what
+    `release` returns as its last body: the last chunks and the end of the response in one write.
     """
 
-    __slots__ = ("_cycle", "_flow", "_pending", "_transport")
+    __slots__ = ("_cycle", "_flow", "_head", "_pending", "_transport")
 
-    def __init__(self, cycle: Any) -> None:
+    def __init__(self, cycle: Any, head: bytes = b"") -> None:
         self._cycle = cycle
         self._flow = cycle.flow
         self._transport = cycle.transport
+        self._head = head  # the response head, until the first flush
         self._pending: list[bytes] = []
 
     def write(self, data: bytes) -> None:
-        self._pending.append(b"%x\r\n%b\r\n" % (len(data), data))
+        self._pending.append(data)
 
     def flush(self) -> bool:
         pending = self._pending
-        if not pending:
+        if pending:
+            data = pending[0] if len(pending) == 1 else b"".join(pending)
+            pending.clear()
+            if data:  # (an empty chunk would end the response)
+                data = b"%x\r\n%b\r\n" % (len(data), data)
+        elif not self._head:
             return False
-        data = pending[0] if len(pending) == 1 else b"".join(pending)
-        pending.clear()
-        if self._cycle.disconnected:
+        else:
+            data = b""
+        if self._head:
+            data = self._head + data
+            self._head = b""
+        if not data or self._cycle.disconnected:
             return False
         self._transport.write(data)
         return self._flow.write_paused  # type: ignore[no-any-return]
@@ -194,9 +261,27 @@ class ChunkedWriter:
             await self._flow.drain()
 
     def release(self) -> bytes:
-        """Before the response goes on through `send`: what was written goes out now (b"" is left)."""
-        self.flush()
-        return b""
+        """Before the response goes on through `send`: what was written and not flushed, to send first
+        (a head still held goes out now)."""
+        if self._head:
+            head, self._head = self._head, b""
+            if not self._cycle.disconnected:
+                self._transport.write(head)
+        body = b"".join(self._pending)
+        self._pending.clear()
+        return body
+
+
+class _HeldWrites:
+    """Stands in for a connection's transport while uvicorn's `send` writes a response head."""
+
+    __slots__ = ("data",)
+
+    def __init__(self) -> None:
+        self.data = b""
+
+    def write(self, data: bytes) -> None:
+        self.data += data
 
 
 class SendWriter:
@@ -239,6 +324,33 @@ def body_writer(send: Any) -> ChunkedWriter | SendWriter:
     ):
         return ChunkedWriter(cycle)
     return SendWriter(send)
+
+
+async def start_body(send: Any, message: MutableMapping[str, Any]) -> ChunkedWriter | SendWriter:
+    """Send `message` (`http.response.start`) and return the writer of the body it starts (`body_writer`).
+
+    Under uvicorn the head its `send` writes is held by the writer and leaves with the first
+    flush: the head and the first chunk in one system call instead of two. (uvicorn's `send`
+    writes a head to `cycle.transport` and does nothing else with it, and does not wait when
+    the client's buffer is not full: for that one call the transport is a stand-in.)"""
+    cycle: Any = getattr(send, "__self__", None)
+    transport = getattr(cycle, "transport", None)
+    flow = getattr(cycle, "flow", None)
+    if transport is None or flow is None or flow.write_paused or getattr(cycle, "response_started", True):
+        await send(message)
+        return body_writer(send)
+    held = _HeldWrites()
+    cycle.transport = held
+    try:
+        await send(message)
+    finally:
+        cycle.transport = transport
+    writer = body_writer(send)
+    if isinstance(writer, ChunkedWriter):
+        writer._head = held.data
+    elif held.data:
+        transport.write(held.data)
+    return writer
 
 
 def protocol_for(settings: Any) -> type[HttpToolsProtocol]:

@@ -55,11 +55,19 @@ def _clean(value: Any) -> Any:
 
 def access_record(fields: dict[str, Any]) -> dict[str, Any]:
     """The dict logged for one request: every ACCESS_FIELDS key first, then allowed extras."""
-    record = {key: _clean(fields.get(key)) for key in ACCESS_FIELDS}
-    for key, value in fields.items():
-        if key not in record and key.lower().replace("-", "_") not in FORBIDDEN_FIELDS:
-            record[key] = _clean(value)
+    record: dict[str, Any] = {}
+    get = fields.get
+    for key in ACCESS_FIELDS:
+        value = get(key)
+        record[key] = round(value, 6) if isinstance(value, float) else value  # _clean, inlined
+    if not fields.keys() <= _ACCESS_KEYS:
+        for key, value in fields.items():
+            if key not in record and key.lower().replace("-", "_") not in FORBIDDEN_FIELDS:
+                record[key] = _clean(value)
     return record
+
+
+_ACCESS_KEYS = frozenset(ACCESS_FIELDS)
 
 
 class AccessLine:
@@ -87,17 +95,19 @@ def log_request(**fields: Any) -> None:
     logger = _ACCESS
     if not logger.isEnabledFor(logging.INFO):
         return
-    record = access_record(fields)
     handler = _sole_json_handler(logger)
     if handler is None:
+        record = access_record(fields)
         logger.info(AccessLine(record), extra={"access": record})
         return
     now = time.time()
-    line = dumps_text({**_line_head(now, (now - int(now)) * 1000, "info", ACCESS_LOGGER), **record})
+    line = dumps_text({**_line_head(now, (now - int(now)) * 1000, "info", ACCESS_LOGGER), **access_record(fields)})
     handler.acquire()
     try:
-        handler.stream.write(line + handler.terminator)
-        handler.flush()
+        stream = handler.stream
+        stream.write(line + handler.terminator)
+        if stream and hasattr(stream, "flush"):  # as StreamHandler.flush does (its lock is held already)
+            stream.flush()
     except Exception:  # noqa: BLE001 - as logging does: a failed log write must not fail the request
         handler.handleError(logging.makeLogRecord({"msg": line}))
     finally:

@@ -3,17 +3,21 @@
 `Deadlines` fires at most once and says why (`reason`). Before the first byte the first-byte
 and total deadlines apply; once streaming, the idle and total ones. Per streamed chunk the
 proxy only stores the time (`last`); the idle timer re-arms itself lazily, at most once per
-idle period. The timer and the disconnect watcher start on the loop's next turn: by then the
-request has gone out to the engine, so setting them up costs nothing on the way there.
+idle period. The timer starts on the loop's next turn: by then the request has gone out to the
+engine, so setting it up costs nothing on the way there. The client's disconnect comes from its
+connection (edge.protocol.watch_disconnect) under the gateway's own server; under another one a
+task waits on `receive` for `http.disconnect`, also from the next turn.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from time import perf_counter
 from typing import Literal
 
-from server.gateway.edge.asgi import Receive
+from server.gateway.edge.asgi import Receive, Send
+from server.gateway.edge.protocol import watch_disconnect
 
 Reason = Literal["first_byte", "idle", "total", "disconnect"]
 
@@ -33,10 +37,18 @@ class Deadlines:
         "_total_at",
         "_idle",
         "_watcher",
+        "_unwatch",
     )
 
     def __init__(
-        self, task: asyncio.Task[None], arrived: float, first_byte: float, idle: float, total: float, receive: Receive
+        self,
+        task: asyncio.Task[None],
+        arrived: float,
+        first_byte: float,
+        idle: float,
+        total: float,
+        receive: Receive,
+        send: Send | None = None,
     ) -> None:
         self.task = task
         self.reason: Reason | None = None
@@ -50,6 +62,9 @@ class Deadlines:
         self._idle = idle
         self._handle: asyncio.TimerHandle | None = None
         self._watcher: asyncio.Task[None] | None = None
+        self._unwatch: Callable[[], None] | None = None
+        if send is not None:
+            self._unwatch = watch_disconnect(send, self._disconnected)
         self._loop.call_soon(self._start, receive)
 
     def _start(self, receive: Receive) -> None:
@@ -57,7 +72,11 @@ class Deadlines:
             return
         if not self._streaming:
             self._arm(min(self._first_byte_at, self._total_at))
-        self._watcher = self._loop.create_task(_watch_disconnect(receive, self))
+        if self._unwatch is None:
+            self._watcher = self._loop.create_task(_watch_disconnect(receive, self))
+
+    def _disconnected(self) -> None:
+        self.fire("disconnect")
 
     def _arm(self, at: float) -> None:
         self._handle = self._loop.call_later(max(0.0, at - perf_counter()), self._check)
@@ -104,6 +123,9 @@ class Deadlines:
 
     def close(self) -> None:
         self.disarm()
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None  # the connection no longer refers to us, nor we to it
         if self._watcher is not None:
             self._watcher.cancel()
             self._watcher = None  # likewise (its cancelled coroutine's frame refers to us)

@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from server.gateway.edge.asgi import Headers, Receive, Send
-from server.gateway.edge.protocol import ChunkedWriter, SendWriter, abort_connection, body_writer
+from server.gateway.edge.asgi import Headers, Message, Receive, Send
+from server.gateway.edge.protocol import ChunkedWriter, SendWriter, abort_connection, start_body
 from server.gateway.edge.requests import GatewayRequest
 from server.gateway.edge.targets import body_for, excluded
 from server.gateway.engines.engine import Engine
@@ -146,7 +146,9 @@ class Exchange:
         t = self.proxy.settings.timeouts
         task = asyncio.current_task()
         assert task is not None
-        deadlines = self.deadlines = Deadlines(task, self.record.arrived, t.first_byte, t.idle, t.total, receive)
+        deadlines = self.deadlines = Deadlines(
+            task, self.record.arrived, t.first_byte, t.idle, t.total, receive, self.send
+        )
         self.hide_usage = hide_usage_from_client(self.request)
         try:
             await self._forward(pool)
@@ -307,7 +309,7 @@ class Exchange:
             first = await response.read_chunk()
         except httpx.HTTPError as exc:
             self._raise(exc, engine, Stage.FIRST_CHUNK)
-        await self._start(response.status_code, response.headers)
+        writer = self.writer = await start_body(send, self._head(response.status_code, response.headers))
         deadlines = self.deadlines
         if deadlines is not None:
             deadlines.streaming(perf_counter())
@@ -320,7 +322,6 @@ class Exchange:
         hidden = self.hidden = HiddenUsage(self.proxy.fingerprints, engine.id) if self.hide_usage else None
         scanner: UsageScanner | HiddenUsage = hidden if hidden is not None else UsageScanner()
         feed = scanner.feed
-        writer = self.writer = body_writer(send)
         write = writer.write
 
         def sink(chunk: bytes) -> None:
@@ -393,7 +394,8 @@ class Exchange:
 
     # -- answering the client ---------------------------------------------------------------------
 
-    async def _start(self, status: int, upstream_headers: Headers, content_length: int | None = None) -> None:
+    def _head(self, status: int, upstream_headers: Headers, content_length: int | None = None) -> Message:
+        """The `http.response.start` message of the client's answer (from now on the response has started)."""
         request = self.request
         headers = [(k, v) for k, v in upstream_headers if k.lower() not in _DROPPED_RESPONSE_HEADERS]
         if content_length is not None:
@@ -402,10 +404,10 @@ class Exchange:
         headers.append((b"x-request-id", request.request_id.encode()))
         self.record.status = status
         self.record.started = True
-        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+        return {"type": "http.response.start", "status": status, "headers": headers}
 
     async def _respond(self, status: int, upstream_headers: Headers, content: bytes) -> None:
-        await self._start(status, upstream_headers, len(content))
+        await self.send(self._head(status, upstream_headers, len(content)))
         await self.send({"type": "http.response.body", "body": content, "more_body": False})
 
     async def _on_deadline(self, reason: Reason) -> None:

@@ -19,8 +19,9 @@ exceptions, and underneath:
   deadlines); a body the caller does not drain makes the connection pause reading;
 - a body can be spliced (`_Body.splice`): each chunk goes to the caller's sink from the
   protocol's own callback as httptools parses it, with no future or task step per chunk; after
-  each socket read the sink is flushed once (chunks that arrived together leave together), and
-  reading pauses while the sink's consumer is full.
+  each socket read the sink is flushed once (chunks that arrived together leave together; not
+  after the read that ended the body: the caller sends that with the end of its own answer),
+  and reading pauses while the sink's consumer is full.
 
 HTTP/1.1 only, for requests whose answers have a body (POST, and GET of a stored response; no
 HEAD): that is what engines speak. The interface the proxy sees is `proxy.upstream.Upstream`.
@@ -88,7 +89,8 @@ class _Connection(asyncio.Protocol):
             self._wake()
         if self.sunk:
             self.sunk = False
-            self._flush()
+            if not self.body_done:  # else splice() returns, and the caller ends its answer with what it has
+                self._flush()
 
     def _flush(self) -> None:
         flush = self.flush
@@ -221,7 +223,8 @@ class _Connection(asyncio.Protocol):
         self, sink: Callable[[bytes], None], flush: Callable[[], bool], drain: Callable[[], Awaitable[None]]
     ) -> None:
         """Hand the rest of the body to `sink` chunk by chunk, from `on_body`, until it ends; `flush()`
-        after each read that gave it chunks. `flush` returns True when the consumer is full: reading
+        after each read that gave it chunks, except the one that ended the body (what that read gave
+        is left to the caller, to send with its answer's end). `flush` returns True when the consumer is full: reading
         pauses until `drain()` returns. Raises what `read_chunk` raises, and what `sink` or `flush`
         raised. No read timeout: the caller keeps its own."""
         try:

@@ -57,7 +57,7 @@ from bench.proxy_bench import MODEL, engine_stats, git_commit, loadavg, machine
 ALL_PATHS = ("direct", "vllm-router", "gateway x1", "gateway x2", "gateway x1 capped", "gateway x2 capped")
 CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller (cpu.cfs_quota_us)
 CFS_PERIOD_US = 100_000
-DEFAULT_CAP = 0.2  # two capped workers then relay ~20k chunks/s: the engine and loadgen keep core 0 unsaturated
+DEFAULT_CAP = 0.2  # see docs/bench/workers.md (0.2) and workers-capped-0.15/
 LATENCY_AT, CPU_AT = 4, 64
 CEILING_AT = (256, 512, 768)
 BOTH_CORES = "0,1"

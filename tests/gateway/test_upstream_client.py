@@ -189,15 +189,17 @@ async def test_an_engine_that_dies_mid_body_fails_the_splice_with_an_httpx_error
 
 
 async def test_what_the_read_that_ends_the_body_gave_is_left_to_the_caller_not_flushed():
+    # Each write of the engine waits for the relay to have taken the one before, so every write is
+    # one read however busy the machine.
+    hel_read, l_flushed = asyncio.Event(), asyncio.Event()
+
     async def handle(reader, writer):
         await reader.readuntil(b"\r\n\r\n")
         await reader.readexactly(1)
         writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nhel\r\n")
-        await writer.drain()
-        await asyncio.sleep(0.1)
+        await hel_read.wait()
         writer.write(b"1\r\nl\r\n")
-        await writer.drain()
-        await asyncio.sleep(0.1)
+        await l_flushed.wait()
         writer.write(b"1\r\no\r\n0\r\n\r\n")  # the last chunk and the end in one read
         await writer.drain()
         await reader.read()  # until the client closes the connection
@@ -210,13 +212,19 @@ async def test_what_the_read_that_ends_the_body_gave_is_left_to_the_caller_not_f
     transport = UpstreamTransport()
     response = await transport.post(transport.target(f"http://127.0.0.1:{port}/"), [], b"x")
     assert await response.read_chunk() == b"hel"
+    hel_read.set()
     got: list[bytes] = []
     flushed: list[int] = []
+
+    def flush() -> bool:
+        flushed.append(len(got))
+        l_flushed.set()
+        return False
 
     async def drain() -> None:
         pass
 
-    await response.splice(got.append, lambda: bool(flushed.append(len(got))), drain)
+    await response.splice(got.append, flush, drain)
     # Flushed after the read that brought "l"; not after the one that brought "o" and the body's end:
     # what that read brought is the caller's to send with the end of its own answer.
     assert got == [b"l", b"o"] and flushed == [1]

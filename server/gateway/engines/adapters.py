@@ -62,6 +62,7 @@ def adapter_names(pools: EnginePool) -> set[str]:
 
 def loaded(engine: Engine, name: str, path: str | None) -> None:
     """`engine` answered a load of adapter `name` with success: route it there from now on."""
+    engine.adapter_changes += 1
     engine.adapters[name] = {
         "id": name,
         "object": "model",
@@ -75,4 +76,5 @@ def loaded(engine: Engine, name: str, path: str | None) -> None:
 
 
 def unloaded(engine: Engine, name: str) -> None:
+    engine.adapter_changes += 1
     engine.adapters.pop(name, None)

@@ -55,6 +55,7 @@ class Engine:
     card: dict[str, object] | None = field(default=None, init=False)  # its /v1/models entry for `model`
     card_read_at: float = field(default=float("-inf"), init=False)  # time.monotonic() of the last /v1/models read
     adapters: dict[str, dict[str, object]] = field(default_factory=dict, init=False)  # LoRA: name -> card (adapters.py)
+    adapter_changes: int = field(default=0, init=False)  # loads and unloads through this process
 
     # Load (pool): requests sent and not yet answered in full.
     outstanding: int = field(default=0, init=False)

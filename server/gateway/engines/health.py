@@ -89,6 +89,7 @@ class HealthChecker:
     async def refresh_card(self, engine: Engine) -> None:
         """Read the engine's card for its model from /v1/models (max_model_len and all)."""
         engine.card_read_at = time.monotonic()  # a failed read is retried at the next interval too
+        changes = engine.adapter_changes
         try:
             response = await self.client.get(f"{engine.url}/v1/models", timeout=self.config.timeout)
             response.raise_for_status()
@@ -96,7 +97,10 @@ class HealthChecker:
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
             log.warning("engine %s: cannot read /v1/models: %s", engine.id, exc)
             return
-        engine.adapters = adapter_cards(cards, engine.model)  # LoRA adapters it serves (adapters.py)
+        # The LoRA adapters it serves (adapters.py); unless a load or unload through this process
+        # landed while the list was on its way: that is newer, the next read catches up.
+        if engine.adapter_changes == changes:
+            engine.adapters = adapter_cards(cards, engine.model)
         for card in cards:
             if isinstance(card, dict) and card.get("id") == engine.model:
                 engine.card = card

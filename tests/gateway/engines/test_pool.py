@@ -8,6 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from server.config import ServedModel
+from server.gateway.engines import adapters
 from server.gateway.engines.collector import EngineCollector
 from server.gateway.engines.health import HealthChecker
 from server.gateway.engines.pool import EnginePool
@@ -100,3 +101,26 @@ async def test_an_engine_the_checker_ejects_is_one_routing_passes_over():
         await HealthChecker(pool, client, HealthCheck()).check_all()
     assert pool.get("m").acquire(Routing()) is None and not pool.ready()
     assert pool.get("m").engines[0].last_error == "/health answered 503"
+
+
+async def test_a_models_read_that_a_load_overtook_does_not_undo_the_load():
+    pool = pool_of(m=["http://a:1"])
+    (engine,) = pool.get("m").engines
+    listed = [{"id": "m", "object": "model"}]
+    loads_meanwhile = [("travel", "/loras/travel")]
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":  # the list leaves the engine, then a load lands here
+            for name, path in loads_meanwhile:
+                adapters.loaded(engine, name, path)
+            loads_meanwhile.clear()
+            return httpx.Response(200, json={"data": listed})
+        return httpx.Response(200)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+        checker = HealthChecker(pool, client, HealthCheck())
+        await checker.refresh_card(engine)
+        assert "travel" in engine.adapters and engine.card == listed[0]
+        listed.append({"id": "other", "object": "model", "parent": "m"})
+        await checker.refresh_card(engine)  # no load meanwhile: the engine's list is the truth
+    assert list(engine.adapters) == ["other"]

@@ -114,7 +114,7 @@ class CpuCaps:
 
 
 def start_paths(
-    procs: Processes, engine_url: str, paths: list[str], caps: CpuCaps | None = None, cap: float = DEFAULT_CAP
+    procs: Processes, engine_url: str, paths: list[str], caps: CpuCaps, cap: float = DEFAULT_CAP
 ) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for path in paths:
@@ -157,8 +157,6 @@ def start_paths(
                 pid = info["process"].pid
                 workers = _children(pid) if path == "gateway x2 capped" else [pid]
                 try:
-                    if caps is None:
-                        raise OSError("no CpuCaps given")
                     for worker in workers:
                         caps.cap(worker, cap)
                 except OSError as exc:

@@ -157,22 +157,23 @@ WORKER_IDS = ["1-worker", "2-workers"]
 
 @contextlib.contextmanager
 def served_gateway(
-    settings: GatewaySettings,
-    models: list[Any],
-    workers: int,
-    log_dir: Path,
-    environ: dict[str, str] | None = None,
-) -> Iterator[str]:
-    """A gateway for `models`, its URL while the block runs: in this process with one worker,
-    else as a process tree of `workers` (for the module-scoped gateways of the tables and the
-    real-engine tests, which take `params=WORKER_COUNTS`)."""
+    settings: GatewaySettings, models: list[Any], workers: int, log_dir: Path, **kwargs: Any
+) -> Iterator[Gateway]:
+    """A gateway for `models` (create_app's `kwargs`) while the block runs: in this process with one
+    worker, else a process tree of `workers` (there `environ` becomes the processes' environment;
+    nothing else can reach them). The `gateway` fixture and the module-wide gateways of the tables
+    and the real-engine tests (`params=WORKER_COUNTS`) start theirs here."""
     if workers > 1:
-        with WorkerTree(settings, models, workers, environ, log_dir).serving() as url:
-            yield url
+        unknown = set(kwargs) - {"environ"}
+        assert not unknown, f"{sorted(unknown)} cannot reach worker processes: mark the test one_process"
+        with WorkerTree(settings, models, workers, kwargs.get("environ"), log_dir).serving() as url:
+            yield Gateway(url, None, workers)
         return
-    app = create_app(settings, models, registry=CollectorRegistry(), environ=environ)
+    kwargs.setdefault("registry", CollectorRegistry())
+    app = create_app(settings, models, **kwargs)
+    # The gateway's own connection protocol, as `serve` runs it (edge.protocol).
     with serve_in_thread(app, http=protocol_for(settings)) as url:
-        yield url
+        yield Gateway(url, app)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -186,21 +187,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture
 def gateway(gateway_workers: int, tmp_path: Path) -> Iterator[Callable[..., Gateway]]:
     """start(settings, **create_app kwargs) -> a gateway for settings.models, served on loopback,
-    stopped after the test: in this process, or as a two-worker process tree (see the module doc;
-    there `environ` becomes the processes' environment)."""
+    stopped after the test: in this process, or as a two-worker process tree (`served_gateway`)."""
     with contextlib.ExitStack() as stack:
 
         def start(settings: GatewaySettings, **kwargs: Any) -> Gateway:
             models = plan_deployment(settings.models).served_models()
-            if gateway_workers > 1:
-                unknown = set(kwargs) - {"environ"}
-                assert not unknown, f"{sorted(unknown)} cannot reach worker processes: mark the test one_process"
-                tree = WorkerTree(settings, models, gateway_workers, kwargs.get("environ"), tmp_path)
-                return Gateway(stack.enter_context(tree.serving()), None, gateway_workers)
-            kwargs.setdefault("registry", CollectorRegistry())
-            app = create_app(settings, models, **kwargs)
-            # The gateway's own connection protocol, as `serve` runs it (edge.protocol).
-            return Gateway(stack.enter_context(serve_in_thread(app, http=protocol_for(settings))), app)
+            return stack.enter_context(served_gateway(settings, models, gateway_workers, tmp_path, **kwargs))
 
         yield start
 

@@ -143,8 +143,8 @@ def table(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         ]
         models = plan_deployment(settings.models).served_models()
         log_dir = tmp_path_factory.mktemp("table")
-        url = stack.enter_context(served_gateway(settings, models, request.param, log_dir, {"TABLE_KEYS": KEY}))
-        yield Table(url, standin)
+        gw = stack.enter_context(served_gateway(settings, models, request.param, log_dir, environ={"TABLE_KEYS": KEY}))
+        yield Table(gw.url, standin)
 
 
 # -- what the rows send ----------------------------------------------------------------------------

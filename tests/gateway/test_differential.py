@@ -151,8 +151,8 @@ def gateway_url(real_engine, real_embed_engine, request, tmp_path_factory):
         ServedModel(real_embed_engine.model, [real_embed_engine.url], real_embed_engine.profile),
     ]
     log_dir = tmp_path_factory.mktemp("gateway")
-    with served_gateway(settings, models, request.param, log_dir, {"TEST_DIFFERENTIAL_KEYS": KEY}) as url:
-        yield url
+    with served_gateway(settings, models, request.param, log_dir, environ={"TEST_DIFFERENTIAL_KEYS": KEY}) as gw:
+        yield gw.url
 
 
 def test_the_gateway_answers_like_the_engine(gateway_url, real_engine, real_embed_engine):

@@ -26,8 +26,10 @@ def gateway_url(real_engine, request, tmp_path_factory):
     settings = GatewaySettings(auth={"api_keys_env": "TEST_REAL_ENGINE_GATEWAY_KEYS"})
     models = [ServedModel(real_engine.model, [real_engine.url], real_engine.profile)]
     log_dir = tmp_path_factory.mktemp("gateway")
-    with served_gateway(settings, models, request.param, log_dir, {"TEST_REAL_ENGINE_GATEWAY_KEYS": "sk-test"}) as url:
-        yield url
+    with served_gateway(
+        settings, models, request.param, log_dir, environ={"TEST_REAL_ENGINE_GATEWAY_KEYS": "sk-test"}
+    ) as gw:
+        yield gw.url
 
 
 @pytest.fixture

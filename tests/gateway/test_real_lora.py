@@ -40,8 +40,8 @@ def gateway(real_engine, lora_engine, request, tmp_path_factory):
     # Each worker re-reads the engines' /v1/models at most every second (at each health check, 2 s).
     settings = GatewaySettings(health={"models_interval": 1.0})
     log_dir = tmp_path_factory.mktemp("gateway")
-    with served_gateway(settings, models, request.param, log_dir, {"GATEWAY_ADMIN_KEYS": ADMIN}) as url:
-        yield Gateway(url, None, request.param)
+    with served_gateway(settings, models, request.param, log_dir, environ={"GATEWAY_ADMIN_KEYS": ADMIN}) as gw:
+        yield gw
 
 
 @pytest.fixture

@@ -32,8 +32,8 @@ def gateway_url(real_engine, real_embed_engine, request, tmp_path_factory):
         ServedModel(real_embed_engine.model, [real_embed_engine.url], real_embed_engine.profile),
     ]
     log_dir = tmp_path_factory.mktemp("gateway")
-    with served_gateway(settings, models, request.param, log_dir, {"TEST_SURFACE_KEYS": KEY}) as url:
-        yield url
+    with served_gateway(settings, models, request.param, log_dir, environ={"TEST_SURFACE_KEYS": KEY}) as gw:
+        yield gw.url
 
 
 @pytest.fixture

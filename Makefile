@@ -94,6 +94,7 @@ test-busy: install $(DCLINT_STAMP) ## test-fast with two CPU hogs beside it (the
 bench: install ## Gateway (1 and 2 workers) vs direct vs vllm-router on a stand-in engine; writes docs/bench/
 	$(BIN)/python -m bench.proxy_bench --output docs/bench
 	$(BIN)/python -m bench.workers_bench --output docs/bench
+	$(BIN)/python -m bench.answer_length --output docs/bench
 
 loadtest: install ## Run the itinerary scenario against `make run`'s gateway
 	$(BIN)/python -m loadtest --url http://127.0.0.1:8000 --model tiny --scenario itinerary --record-header x-trim-status --output loadtest/out

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import resource
 import statistics
@@ -184,11 +185,12 @@ class _Connection(asyncio.Protocol):
 
 
 class _Counters:
-    __slots__ = ("chunks", "completed", "recording", "ttfts", "errors")
+    __slots__ = ("chunks", "completed", "started", "recording", "ttfts", "errors")
 
     def __init__(self) -> None:
         self.chunks = 0
         self.completed = 0
+        self.started = 0  # requests sent in the window (`completed`: sent and answered in it)
         self.recording = False
         self.ttfts: list[float] = []
         self.errors: dict[str, int] = {}
@@ -203,8 +205,13 @@ def build_request(host: str, port: int, path: str, body: dict) -> bytes:
     return head.encode() + data
 
 
-async def _worker(host, port, payload, counters, first_token_event, stop: asyncio.Event, timeout: float):
+async def _worker(
+    host, port, payload, counters, first_token_event, stop: asyncio.Event, timeout: float, delay: float = 0.0
+):
     loop = asyncio.get_running_loop()
+    if delay:
+        with contextlib.suppress(TimeoutError):  # (the run may end first)
+            await asyncio.wait_for(stop.wait(), delay)
     connection: _Connection | None = None
     while not stop.is_set():
         try:
@@ -214,6 +221,7 @@ async def _worker(host, port, payload, counters, first_token_event, stop: asynci
                 )
             started = time.perf_counter()
             recording = counters.recording
+            counters.started += recording
             response = await asyncio.wait_for(connection.request(payload), timeout)
         except (TimeoutError, OSError) as exc:
             if counters.recording:
@@ -259,6 +267,7 @@ async def run_load(
     timeout: float = 60.0,
     body_extra: dict | None = None,
     samples: bool = False,
+    stagger: float = 0.0,
 ) -> dict:
     """Drive `concurrency` streams at `url` for warmup + duration seconds; the window's figures."""
     parts = urlsplit(url)
@@ -274,7 +283,8 @@ async def run_load(
     counters = _Counters()
     stop = asyncio.Event()
     workers = [
-        asyncio.create_task(_worker(host, port, payload, counters, 2, stop, timeout)) for _ in range(concurrency)
+        asyncio.create_task(_worker(host, port, payload, counters, 2, stop, timeout, stagger * i / concurrency))
+        for i in range(concurrency)
     ]
     await asyncio.sleep(warmup)
     cpu_before = {name: tree_cpu_seconds(pid) for name, pid in cpu_pids.items()}
@@ -302,6 +312,7 @@ async def run_load(
         "concurrency": concurrency,
         "window_s": round(elapsed, 3),
         "requests": counters.completed,
+        "requests_started": counters.started,
         "chunks": chunks,
         "requests_per_s": counters.completed / elapsed,
         "chunks_per_s": chunks / elapsed,
@@ -382,6 +393,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cpu", action="append", default=[], help="NAME=PID: measure that process tree's CPU")
     parser.add_argument("--body-extra", default="{}", help="JSON merged into the request body")
     parser.add_argument("--samples", action="store_true", help="also print every TTFT (ttft_samples_ms)")
+    parser.add_argument(
+        "--stagger", type=float, default=0.0,
+        help="start the streams evenly over this many seconds (of the warm-up): answers as long as this "
+        "then do not start and end in waves",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
@@ -391,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
         run_load(
             args.url, model=args.model, concurrency=args.concurrency, duration=args.duration,
             warmup=args.warmup, cpu_pids=cpu_pids, timeout=args.timeout, body_extra=json.loads(args.body_extra),
-            samples=args.samples,
+            samples=args.samples, stagger=args.stagger,
         )
     )  # fmt: skip
     json.dump(result, sys.stdout)

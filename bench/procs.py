@@ -112,10 +112,11 @@ STANDIN_MODEL = "standin"
 STANDIN_TIMING = {"ttft_ms": 20, "itl_ms": 10, "tokens": 32}  # 34 SSE chunks per answer
 
 
-def start_standin(procs: Processes, *, core: int | None) -> tuple[Started, str]:
-    """The benches' stand-in engine (tests/standin.py, STANDIN_TIMING): its process and its URL."""
+def start_standin(procs: Processes, *, core: int | None, tokens: int | None = None) -> tuple[Started, str]:
+    """The benches' stand-in engine (tests/standin.py, STANDIN_TIMING, or `tokens` per answer): its
+    process and its URL."""
     port = free_port()
-    timing = STANDIN_TIMING
+    timing = {**STANDIN_TIMING, **({"tokens": tokens} if tokens else {})}
     argv = [PYTHON, "-m", "tests.standin", "--port", str(port), "--model", STANDIN_MODEL,
             "--ttft-ms", str(timing["ttft_ms"]), "--itl-ms", str(timing["itl_ms"]),
             "--tokens", str(timing["tokens"]), "--max-model-len", "32768"]  # fmt: skip

@@ -172,7 +172,14 @@ def start_paths(
 
 
 def run_window(
-    procs: Processes, engine: Started, info: dict, concurrency: int, duration: float, warmup: float, samples: bool
+    procs: Processes,
+    engine: Started,
+    info: dict,
+    concurrency: int,
+    duration: float,
+    warmup: float,
+    samples: bool,
+    loadgen_args: tuple[str, ...] = (),
 ) -> dict:
     """One load-generator window against one path; the engine and the load generator on `info["cores"]`."""
     pin(engine.pid, info["cores"])
@@ -182,6 +189,7 @@ def run_window(
         "--concurrency", str(concurrency), "--duration", str(duration), "--warmup", str(warmup),
         *[arg for name, pid in cpu.items() for arg in ("--cpu", f"{name}={pid}")],
         *(["--samples"] if samples else []),
+        *loadgen_args,
     ]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=duration + warmup + 120)
     if done.returncode != 0:

@@ -29,6 +29,22 @@ async def test_load_generator_counts_chunks_answers_and_first_tokens():
     assert stats["finished"] >= result["requests"]
 
 
+async def test_staggered_streams_start_one_after_another_and_sent_requests_are_counted():
+    app = build_app(StandinConfig(ttft_ms=1, itl_ms=10, tokens=100))  # answers of about 1 s
+    with serve_in_thread(app) as url:
+        spread = await run_load(
+            url, model="standin", concurrency=4, duration=0.2, warmup=0.1, cpu_pids={}, stagger=40.0
+        )  # streams due at 0, 10, 20 and 30 s: the run is over before the second
+        started_spread = httpx.get(f"{url}/_standin/stats").json()["started"]
+        together = await run_load(
+            url, model="standin", concurrency=4, duration=0.8, warmup=0.1, cpu_pids={}, body_extra={"max_tokens": 5}
+        )
+        started_together = httpx.get(f"{url}/_standin/stats").json()["started"] - started_spread
+    assert started_spread == 1 and spread["requests_started"] == 0  # its one request went out in the warm-up
+    assert started_together >= 4
+    assert together["requests_started"] >= together["requests"] > 0
+
+
 async def test_load_generator_reports_broken_streams_and_error_statuses():
     app = build_app(StandinConfig(ttft_ms=1, itl_ms=1, tokens=4))
     with serve_in_thread(app) as url:

@@ -29,7 +29,7 @@ import sys
 import time
 from urllib.parse import urlsplit
 
-from bench.proctree import cores_busy_seconds, tree_cpu_seconds
+from bench.proctree import cores_busy_seconds, tree_cpu_split
 
 EVENT_END = b"\n\n"
 DONE = b"data: [DONE]"
@@ -287,7 +287,7 @@ async def run_load(
         for i in range(concurrency)
     ]
     await asyncio.sleep(warmup)
-    cpu_before = {name: tree_cpu_seconds(pid) for name, pid in cpu_pids.items()}
+    split_before = {name: tree_cpu_split(pid) for name, pid in cpu_pids.items()}
     own_before = _own_cpu()
     cores_before = cores_busy_seconds()
     chunks_before = counters.chunks
@@ -297,7 +297,9 @@ async def run_load(
     counters.recording = False
     elapsed = time.perf_counter() - started
     chunks = counters.chunks - chunks_before
-    cpu = {name: tree_cpu_seconds(pid) - cpu_before[name] for name, pid in cpu_pids.items()}
+    split = {name: tree_cpu_split(pid) for name, pid in cpu_pids.items()}
+    system = {name: split[name][1] - split_before[name][1] for name in cpu_pids}
+    cpu = {name: sum(split[name]) - sum(split_before[name]) for name in cpu_pids}
     cpu["loadgen"] = _own_cpu() - own_before
     cores = {name: busy - cores_before.get(name, 0.0) for name, busy in cores_busy_seconds().items()}
     # CPU time of processes other than the measured ones (a shared machine's noise), both cores
@@ -320,6 +322,7 @@ async def run_load(
         "error_kinds": counters.errors,
         "ttft_ms": _ttft_summary(ttfts),
         "cpu_s": cpu,
+        "system_cpu_s": system,  # the kernel's part of cpu_s (system calls, the network stack)
         "cores_busy_s": cores,
         "foreign_cpu_s": foreign,
         **({"ttft_samples_ms": ttfts} if samples else {}),

@@ -35,12 +35,18 @@ def tree_pids(root: int) -> list[int]:
 
 def tree_cpu_seconds(root: int) -> float:
     """User + system CPU seconds of `root` and its live descendants, plus their reaped children."""
-    total = 0
+    return sum(tree_cpu_split(root))
+
+
+def tree_cpu_split(root: int) -> tuple[float, float]:
+    """`tree_cpu_seconds` as (user, system): the process's own code, and the kernel's work for it."""
+    user = system = 0
     for pid in tree_pids(root):
         fields = _stat_fields(pid)
         if fields is not None:
-            total += sum(int(value) for value in fields[11:15])  # utime stime cutime cstime
-    return total / CLOCK_TICKS
+            user += int(fields[11]) + int(fields[13])  # utime cutime
+            system += int(fields[12]) + int(fields[14])  # stime cstime
+    return user / CLOCK_TICKS, system / CLOCK_TICKS
 
 
 def cores_busy_seconds() -> dict[str, float]:

@@ -11,7 +11,7 @@ def window(tokens: int, requests: int, a_us: float, b_us: float, noise: float = 
     chunks = requests * (tokens + 2)
     cpu = (chunks * a_us + requests * b_us) * 1e-6 * (1 + noise)
     return {"max_tokens": tokens, "chunks": chunks, "requests_started": requests, "requests": requests - 3,
-            "errors": 0, "cpu_s": {"proxy": cpu, "engine": 1.0}}  # fmt: skip
+            "errors": 0, "cpu_s": {"proxy": cpu, "engine": 1.0}, "system_cpu_s": {"proxy": cpu / 2}}  # fmt: skip
 
 
 def test_the_fit_recovers_the_costs_per_chunk_and_per_request():
@@ -35,6 +35,7 @@ def test_per_length_pools_rounds_and_counts_the_requests_sent():
     assert got[32]["chunks_per_request"] == 34.0  # requests sent in the window, not those also answered in it
     assert got[32]["cpu_us_per_chunk"] == pytest.approx(55.0)
     assert got[32]["rounds_cpu_us_per_chunk"] == pytest.approx([50.0, 60.0])
+    assert got[32]["system_us_per_chunk"] == pytest.approx(55.0 / 2)
     assert list(got) == [8, 32]
 
 
@@ -56,6 +57,6 @@ def test_the_report_gives_both_ratios_and_every_length():
     }  # fmt: skip
     text = render_markdown(report)
     assert "per chunk, gateway / vllm-router: 1.20x; per request: 2.00x" in text
-    assert "| 320 | 322.0 | 30.6 us | 37.2 us | 1.22x |" in text
+    assert "| 320 | 322.0 | 30.6 us | 37.2 us | 1.22x | 15.3 us / 18.6 us |" in text
     assert "| gateway x1 | 36.0 us | 400 us |" in text
     assert "## Method" in text

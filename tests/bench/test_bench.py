@@ -7,7 +7,7 @@ import os
 import httpx
 
 from bench.loadgen import run_load, summarize
-from bench.proctree import tree_cpu_seconds, tree_pids
+from bench.proctree import tree_cpu_seconds, tree_cpu_split, tree_pids
 from bench.proxy_bench import figures, judge
 from tests.standin import StandinConfig, build_app
 from tests.support import serve_in_thread
@@ -55,6 +55,12 @@ async def test_load_generator_reports_broken_streams_and_error_statuses():
     assert broken["requests"] == 0 and broken["errors"] > 0
     assert set(broken["error_kinds"]) == {"connection closed mid-response"}
     assert refused["requests"] == 0 and set(refused["error_kinds"]) == {"status 503"}
+
+
+def test_the_split_of_cpu_seconds_adds_up_to_them():
+    user, system = tree_cpu_split(os.getpid())
+    assert user > 0 and system >= 0
+    assert tree_cpu_seconds(os.getpid()) >= user + system  # (read later: never less)
 
 
 def test_tree_cpu_seconds_includes_this_process():

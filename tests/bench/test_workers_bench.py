@@ -32,6 +32,7 @@ RESULTS = {
         4: window(4, 1000, 0.3, ttft_p50=21.0), 64: window(64, 50_000, 2.5),
         256: window(256, 150_000, 12.0), 512: window(512, 180_000, 15.0),
     },
+    "gateway x2 core 1": {4: window(4, 1000, 0.3, ttft_p50=20.9)},
     "gateway x1 capped": {64: window(64, 50_000, 2.0), 256: window(256, 20_000, 2.0)},
     "gateway x2 capped": {64: window(64, 50_000, 2.0), 256: window(256, 38_000, 4.0)},
 }  # fmt: skip
@@ -52,6 +53,8 @@ def test_ratios_compare_the_gateway_with_the_router_and_two_workers_with_one():
     assert r["cpu_per_chunk_x1_vs_router"] == pytest.approx(40.0 / 30.0)
     assert r["ceiling_x2_vs_x1"] == pytest.approx(180_000 / 100_000)
     assert r["added_ttft_x1_minus_router_ms"] == pytest.approx(0.2)
+    assert r["added_ttft_x2_minus_router_ms"] == pytest.approx(0.5)
+    assert r["added_ttft_x2_core1_minus_router_ms"] == pytest.approx(0.4)
     assert r["per_core_x2_vs_x1"] == pytest.approx((180_000 / 15.0) / (100_000 / 8.0))
     assert r["ceiling_x2_vs_x1_capped"] == pytest.approx(38_000 / 20_000)
     assert ratios({})["ceiling_x2_vs_x1"] is None and ratios({})["ceiling_x2_vs_x1_capped"] is None
@@ -84,7 +87,7 @@ def test_the_report_names_every_path_and_goal():
     report["ratios"] = ratios(report["figures"])
     text = render_markdown(report)
     for needle in ("| gateway x2 |", "| vllm-router |", "goal <= 1.25x", "2 workers / 1 worker: 1.80x", "## Method",
-                   "gateway x1 at 512 streams: 3 (status 503 x3)",
+                   "gateway x1 at 512 streams: 3 (status 503 x3)", "2 workers on the router's core 0.40 ms",
                    "held to 0.3 of a core (CFS quota; engine and load generator alone on core 0), 2 workers / 1 "
                    "worker: 1.90x"):  # fmt: skip
         assert needle in text

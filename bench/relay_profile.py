@@ -10,8 +10,13 @@ into microseconds per chunk with the gateway's CPU per chunk measured by the loa
 the same stretch. On a busy machine a sample may be taken while the gateway waits for its core:
 shares then weigh time, not only CPU, alike for every category.
 
+With `--max-tokens N` the answers are N tokens long (files `relay-profile-N-tokens.*`,
+`relay-flame-N-tokens.svg`): short answers put what a request costs, paid once per answer, in
+the foreground (the table's last column).
+
 Needs py-spy (`pip install py-spy`) and the right to trace a child process (root, or
 kernel.yama.ptrace_scope 0). Usage: python -m bench.relay_profile --output docs/bench [--seconds 20]
+[--max-tokens N]
 """
 
 from __future__ import annotations
@@ -83,28 +88,39 @@ def categorize(raw: str) -> tuple[collections.Counter[str], int]:
     return counts, total
 
 
+def _names(max_tokens: int | None) -> tuple[str, str]:
+    """The report's file stem and the flame graph's file name."""
+    suffix = f"-{max_tokens}-tokens" if max_tokens else ""
+    return f"relay-profile{suffix}", f"relay-flame{suffix}.svg"
+
+
 def render_markdown(report: dict) -> str:
     counts, busy, cpu_us = report["categories"], report["busy_samples"], report["cpu_us_per_chunk"]
+    per_request = report.get("cpu_us_per_request")
+    answers = f"answers of {report.get('max_tokens') or 32} tokens"
+    flame = _names(report.get("max_tokens"))[1]
     lines = [
         "# The relay's CPU per chunk, by where it goes (py-spy)",
         "",
         f"- date: {report['date']}; commit: {report['commit']}; load average before / after: "
         f"{report['loadavg_before']} / {report['loadavg_after']} (a shared machine)",
-        f"- {STREAMS} streams for {report['seconds']:g} s; gateway CPU per chunk over that stretch: "
-        f"{cpu_us:.1f} us ({report['chunks']} chunks, {report['gateway_cpu_s']:.2f} CPU s); "
-        f"{busy} busy samples at {report['rate']} Hz",
-        "- flame graph: [relay-flame.svg](relay-flame.svg) (idle time left out)",
+        f"- {STREAMS} streams ({answers}) for {report['seconds']:g} s; gateway CPU per chunk over that "
+        f"stretch: {cpu_us:.1f} us ({report['chunks']} chunks, {report['gateway_cpu_s']:.2f} CPU s)"
+        + (f", per request {per_request:.0f} us ({report['requests']} requests)" if per_request else "")
+        + f"; {busy} busy samples at {report['rate']} Hz",
+        f"- flame graph: [{flame}]({flame}) (idle time left out)",
         "",
         (__doc__ or "").split("\n\n", 1)[1].rsplit("\n\nNeeds py-spy", 1)[0],
         "",
-        "| where | share of busy samples | us per chunk |",
-        "|---|---|---|",
+        "| where | share of busy samples | us per chunk | us per request |",
+        "|---|---|---|---|",
     ]
     for name, count in sorted(counts.items(), key=lambda item: -item[1]):
         if name.startswith("idle"):
             continue
         share = count / busy if busy else 0.0
-        lines.append(f"| {name} | {share * 100:.1f} % | {share * cpu_us:.1f} |")
+        request = f"{share * per_request:.1f}" if per_request else "n/a"
+        lines.append(f"| {name} | {share * 100:.1f} % | {share * cpu_us:.1f} | {request} |")
     return "\n".join(lines) + "\n"
 
 
@@ -115,10 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=Path("docs/bench"))
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    parser.add_argument("--max-tokens", type=int, help="answers of this many tokens (default: the stand-in's 32)")
     args = parser.parse_args(argv)
+    stem, flame = _names(args.max_tokens)
+    shorter = ["--body-extra", json.dumps({"max_tokens": args.max_tokens})] if args.max_tokens else []
     py_spy = shutil.which("py-spy") or str(Path(PYTHON).with_name("py-spy"))
     report: dict = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": git_commit(),
-                    "loadavg_before": loadavg(), "seconds": args.seconds, "rate": args.rate}  # fmt: skip
+                    "loadavg_before": loadavg(), "seconds": args.seconds, "rate": args.rate,
+                    "max_tokens": args.max_tokens}  # fmt: skip
     args.output.mkdir(parents=True, exist_ok=True)
     with Processes() as procs:
         port = free_port()
@@ -136,14 +156,15 @@ def main(argv: list[str] | None = None) -> int:
         load = subprocess.Popen(
             procs.pinned(0, [PYTHON, "-m", "bench.loadgen", "--url", url, "--model", MODEL, "--concurrency",
                              str(STREAMS), "--duration", str(2 * args.seconds + 1), "--warmup", str(warmup),
-                             "--cpu", f"proxy={gateway.pid}"]),
+                             "--cpu", f"proxy={gateway.pid}",
+                             *shorter]),
             stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         time.sleep(warmup)
         raw = procs.log_dir / "relay-profile.raw.txt"  # kept with the processes' logs, for a closer look
         common = ["--pid", str(gateway.pid), "--rate", str(args.rate), "--duration", str(int(args.seconds))]
         subprocess.run([py_spy, "record", *common, "--format", "raw", "-o", str(raw)], check=True, capture_output=True)
-        svg = args.output / "relay-flame.svg"
+        svg = args.output / flame
         subprocess.run([py_spy, "record", *common, "--format", "flamegraph", "-o", str(svg)], check=True,
                        capture_output=True)  # fmt: skip
         out, _ = load.communicate(timeout=args.seconds * 2 + 120)
@@ -158,10 +179,12 @@ def main(argv: list[str] | None = None) -> int:
         chunks=window["chunks"],
         gateway_cpu_s=window["cpu_s"]["proxy"],
         cpu_us_per_chunk=window["cpu_s"]["proxy"] / window["chunks"] * 1e6,
+        requests=window["requests_started"],
+        cpu_us_per_request=window["cpu_s"]["proxy"] / window["requests_started"] * 1e6,
     )
-    (args.output / "relay-profile.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.output / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     text = render_markdown(report)
-    (args.output / "relay-profile.md").write_text(text)
+    (args.output / f"{stem}.md").write_text(text)
     print(text)
     return 0
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from server.gateway.proxy.sse import UsageScanner, ends_with_done, has_token, usage_from_body
+from server.gateway.proxy.sse import UsageScanner, ends_with_done, has_token, scan_for_token, usage_from_body
 
 
 def event(payload: dict) -> bytes:
@@ -42,6 +42,21 @@ LAST = event({"choices": [], "usage": USAGE})
 )
 def test_has_token(chunk, expected):
     assert has_token(chunk) is expected
+
+
+PIECES = [
+    b'data: {"choices":[{"index":0,"delta":{', b'"role":"assistant",', b'"content":""', b'"content":"x"',
+    b'"content": "y"', b'"content": ""', b'"content":null', b'"reasoning_content":""', b'"reasoning_content":"r"',
+    b'"text":""', b'"text":"w"', b'"text": "w"', b'"tool_calls":[]', b'"tool_calls":[{"index":0}]',
+    b'"tool_calls": [{"index":0}]', b'"usage":{"prompt_tokens":1}', b"}}]}\n\n", b"data: [DONE]\n\n", b",", b" ",
+]  # fmt: skip
+
+
+@given(st.lists(st.sampled_from(PIECES), max_size=10), st.integers(0, 400))
+def test_the_shortcuts_agree_with_the_full_scan(pieces, cut):
+    chunk = b"".join(pieces)
+    for part in (chunk, chunk[:cut], chunk[cut:]):  # reads may split an event anywhere
+        assert has_token(part) is scan_for_token(part)
 
 
 def test_usage_from_the_final_chunk():

@@ -19,13 +19,12 @@ Usage: python -m bench.answer_length --output docs/bench [--duration 8] [--round
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 from pathlib import Path
 
 from bench.procs import STANDIN_TIMING, Processes, start_standin, wait_chat_ready
-from bench.proxy_bench import MODEL, git_commit, loadavg, machine
+from bench.proxy_bench import MODEL, loadavg, report_header, write_report
 from bench.workers_bench import CpuCaps, run_window, start_paths
 
 PATHS = ("vllm-router", "gateway x1")
@@ -154,12 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.from_json:
         return _write(json.loads(args.from_json.read_text()), args.output)
-    report: dict = {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "commit": git_commit(),
-        "machine": machine(),
-        "loadavg_before": loadavg(),
-    }
+    report = report_header()
     windows: dict[str, list[dict]] = {path: [] for path in PATHS}
     with CpuCaps() as caps, Processes() as procs:
         engine, engine_url = start_standin(procs, core=0, tokens=max(ANSWER_TOKENS))
@@ -199,10 +193,8 @@ def _write(report: dict, output: Path) -> int:
     windows = report["windows"]
     report["fits"] = {path: fit(ws) for path, ws in windows.items()}
     report["lengths"] = {path: per_length(ws) for path, ws in windows.items()}
-    output.mkdir(parents=True, exist_ok=True)
-    (output / "answer-length.json").write_text(json.dumps(report, indent=2) + "\n")
     text = render_markdown(report)
-    (output / "answer-length.md").write_text(text)
+    write_report(output, "answer-length", report, text)
     print(text)
     return 0
 

@@ -211,6 +211,23 @@ def loadavg() -> str:
         return "unknown"
 
 
+def report_header() -> dict:
+    """What every bench report starts with: when, which code, on what, and how busy the machine was."""
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "machine": machine(),
+        "loadavg_before": loadavg(),
+    }
+
+
+def write_report(output: Path, stem: str, report: dict, markdown: str) -> None:
+    """A bench's report as `stem`.json (every figure, for `--from-json`) and `stem`.md, both in `output`."""
+    output.mkdir(parents=True, exist_ok=True)
+    (output / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (output / f"{stem}.md").write_text(markdown)
+
+
 def _fmt(value, digits: int = 1, suffix: str = "") -> str:
     if value is None:
         return "n/a"
@@ -336,10 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     except (AttributeError, OSError):
         pass
     report: dict = {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "commit": git_commit(),
-        "machine": machine(),
-        "loadavg_before": loadavg(),
+        **report_header(),
         "method": METHOD.format(
             warmup=args.warmup, duration=args.duration, rounds=args.rounds, low_window=args.low_duration / args.rounds
         ),
@@ -404,10 +418,7 @@ def main(argv: list[str] | None = None) -> int:
 
             trim = trim_bench.run(procs, engine, engine_url)
     report["loadavg_after"] = loadavg()
-    args.output.mkdir(parents=True, exist_ok=True)
-    (args.output / "proxy.json").write_text(json.dumps({**report, "trimming": trim}, indent=2) + "\n")
-    markdown = render_markdown(report, trim)
-    (args.output / "proxy.md").write_text(markdown)
+    write_report(args.output, "proxy", {**report, "trimming": trim}, render_markdown(report, trim))
     print()
     print(render_tables(report))
     if trim is not None:

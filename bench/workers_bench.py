@@ -36,7 +36,6 @@ Usage: python -m bench.workers_bench --output docs/bench [--duration 8] [--paths
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -55,7 +54,7 @@ from bench.procs import (
     start_standin,
     wait_chat_ready,
 )
-from bench.proxy_bench import MODEL, engine_stats, git_commit, loadavg, machine
+from bench.proxy_bench import MODEL, engine_stats, loadavg, report_header, write_report
 
 ALL_PATHS = (
     "direct", "vllm-router", "gateway x1", "gateway x2", "gateway x2 core 1", "gateway x1 capped", "gateway x2 capped"
@@ -404,10 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.before:
         paths.append(f"gateway x1 @{commit_of(args.before)}")
     report: dict = {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "commit": git_commit(),
-        "machine": machine(),
-        "loadavg_before": loadavg(),
+        **report_header(),
         "cap": args.cap,
     }
     with CpuCaps() as caps, Processes() as procs:
@@ -453,10 +449,9 @@ def main(argv: list[str] | None = None) -> int:
 def _write(report: dict, output: Path) -> int:
     report["figures"] = {path: figures(report["results"], path) for path in report["results"]}
     report["ratios"] = ratios(report["figures"])
-    output.mkdir(parents=True, exist_ok=True)
-    (output / "workers.json").write_text(json.dumps(report, indent=2) + "\n")
-    (output / "workers.md").write_text(render_markdown(report))
-    print(render_markdown(report))
+    text = render_markdown(report)
+    write_report(output, "workers", report, text)
+    print(text)
     return 0
 
 

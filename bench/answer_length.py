@@ -167,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         report["commands"] = {path: info["command"] for path, info in started.items()}
         for round_ in range(args.rounds):
             for tokens in ANSWER_TOKENS:
+                answer_s = (STANDIN_TIMING["ttft_ms"] + tokens * STANDIN_TIMING["itl_ms"]) / 1000
                 for path in PATHS:
-                    answer_s = (STANDIN_TIMING["ttft_ms"] + tokens * STANDIN_TIMING["itl_ms"]) / 1000
                     window = run_window(
                         procs, engine, started[path], STREAMS, args.duration, args.warmup + answer_s, False,
                         ("--body-extra", json.dumps({"max_tokens": tokens}), "--stagger", str(answer_s)),

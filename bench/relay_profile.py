@@ -125,7 +125,7 @@ def render_markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.proxy_bench import git_commit, loadavg
+    from bench.proxy_bench import git_commit, loadavg, write_report
 
     parser = argparse.ArgumentParser(prog="python -m bench.relay_profile", description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--output", type=Path, default=Path("docs/bench"))
@@ -182,9 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         requests=window["requests_started"],
         cpu_us_per_request=window["cpu_s"]["proxy"] / window["requests_started"] * 1e6,
     )
-    (args.output / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     text = render_markdown(report)
-    (args.output / f"{stem}.md").write_text(text)
+    write_report(args.output, stem, report, text)
     print(text)
     return 0
 

@@ -193,6 +193,14 @@ class _ApiError(Exception):
         self.status, self.message, self.type, self.param = status, message, type_, param
 
 
+async def _sleep_until(deadline: float) -> None:
+    """Sleep until `deadline` on `time.perf_counter()`'s clock, never waking before it: the event
+    loop's clock is read once per loop turn and its timers have a 1 ms resolution, so one sleep on
+    a busy machine can end a little early (a token would then beat its schedule)."""
+    while (remaining := deadline - time.perf_counter()) > 0:
+        await asyncio.sleep(remaining)
+
+
 class Standin:
     """The ASGI app. One instance is one engine; its counters and faults live on it."""
 
@@ -602,11 +610,10 @@ class Standin:
         self, send: Send, plan: _Generation, arrived: float, model: str, timing: dict | None = None
     ) -> None:
         timing = timing if timing is not None else {}
-        loop = asyncio.get_running_loop()
-        start = loop.time() - (time.perf_counter() - arrived)  # the arrival, on the loop's clock
+        start = arrived
         if plan.first_byte_delay_s:
             await asyncio.sleep(plan.first_byte_delay_s)
-            start = loop.time()
+            start = time.perf_counter()
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + plan.headers})
         events = _stream_events(plan, model)
         sent = 0
@@ -619,9 +626,7 @@ class Standin:
                 await asyncio.sleep(plan.stall_s)
                 first_token_at += plan.stall_s
             if kind == "token":
-                delay = first_token_at + token_index * plan.itl_s - loop.time()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+                await _sleep_until(first_token_at + token_index * plan.itl_s)
                 token_index += 1
             await send({"type": "http.response.body", "body": data, "more_body": True})
             sent += 1

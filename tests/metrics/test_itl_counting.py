@@ -1,5 +1,6 @@
-"""`GatewayMetrics.inter_token` counts into plain buckets and folds them into the histogram later:
-what Prometheus sees must be exactly what `Histogram.observe` for each value would have made."""
+"""`GatewayMetrics.inter_token` (and the relay's `inter_token_sink`) keeps values in a plain list and
+folds them into the histogram later: what Prometheus sees must be exactly what `Histogram.observe`
+for each value would have made."""
 
 from __future__ import annotations
 
@@ -61,3 +62,23 @@ def test_a_finished_request_folds_its_model_in_once():
     assert 'gateway_inter_token_latency_seconds_count{model="m"} 3.0' in text
     assert 'gateway_inter_token_latency_seconds_bucket{le="0.015",model="m"} 3.0' in text
     assert 'gateway_inter_token_latency_seconds_bucket{le="0.01",model="m"} 1.0' in text
+
+
+def test_the_relays_sink_keeps_working_across_folds():
+    """A relay holds the sink for its whole stream: values it adds after a fold (another request of
+    the model finished, or a scrape) must still be counted, each exactly once."""
+    metrics = GatewayMetrics(CollectorRegistry())
+    sink = metrics.inter_token_sink("m")
+    first, second = [0.002, 0.01, 0.5], [0.0009, 12.0]
+    for value in first:
+        sink(value)
+    metrics.request_started("m")
+    metrics.request_finished("m", 200, 0.1, True)  # folds `first`
+    for value in second:
+        sink(value)
+    got = itl_samples(metrics.registry)  # folds `second`
+    want = reference(first + second)
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value), key
+    assert itl_samples(metrics.registry) == got  # nothing is counted twice

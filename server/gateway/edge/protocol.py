@@ -224,7 +224,7 @@ class ChunkedWriter:
     `release` returns as its last body: the last chunks and the end of the response in one write.
     """
 
-    __slots__ = ("_cycle", "_flow", "_head", "_pending", "_transport")
+    __slots__ = ("_cycle", "_flow", "_head", "_pending", "_transport", "write")
 
     def __init__(self, cycle: Any, head: bytes = b"") -> None:
         self._cycle = cycle
@@ -232,9 +232,9 @@ class ChunkedWriter:
         self._transport = cycle.transport
         self._head = head  # the response head, until the first flush
         self._pending: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        self._pending.append(data)
+        # `write(data)`: bytes for the client, kept until the next flush (the list's own `append`:
+        # the relay calls it once per chunk, and a method around it would cost a Python call).
+        self.write: Callable[[bytes], None] = self._pending.append
 
     def flush(self) -> bool:
         pending = self._pending
@@ -288,14 +288,12 @@ class SendWriter:
     """The same interface over any ASGI `send` (under a server other than the gateway's own): a flush
     with something written asks for a drain, which sends it as one body message."""
 
-    __slots__ = ("_pending", "_send")
+    __slots__ = ("_pending", "_send", "write")
 
     def __init__(self, send: Any) -> None:
         self._send = send
         self._pending: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        self._pending.append(data)
+        self.write: Callable[[bytes], None] = self._pending.append  # as ChunkedWriter's
 
     def flush(self) -> bool:
         return bool(self._pending)

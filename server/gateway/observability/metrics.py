@@ -1,11 +1,13 @@
 """What the gateway itself measures about requests, exported for Prometheus under `gateway_`.
 
-The gateway calls these methods on the hot path (`inter_token` once per streamed chunk), so each
-model's labelled children are looked up once and cached: a call is a dict lookup plus one
-`observe`/`inc`. `inter_token` is cheaper still: it counts into a plain list of buckets (one
-C bisect), folded into the histogram when a request of that model finishes and before every
-collection (a few increments per request instead of a Python loop over the buckets and two
-locked increments per chunk, which multiprocess files make dearer). Times are seconds measured
+The gateway calls these methods on the hot path, so each model's labelled children are looked
+up once and cached: a call is a dict lookup plus one `observe`/`inc`. Inter-token latencies,
+one per streamed chunk, cost less still: the relay appends each to its model's list of pending
+values (`inter_token_sink(model)` is that list's `append`, looked up once per request: no Python
+call per chunk), and the list is folded into the histogram when a request of that model
+finishes and before every collection, sorted once and counted per bucket by bisection (a few
+increments per request instead of a Python loop over the buckets and two locked increments per
+chunk, which multiprocess files make dearer). Times are seconds measured
 with `time.perf_counter()` by the caller.
 
 Two families are labelled by endpoint (the name in edge.endpoints) instead of model:
@@ -30,8 +32,8 @@ later (the engines' figures) are this process's own.
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections.abc import Iterator
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -87,24 +89,27 @@ class _ModelSeries:
     trimmed_messages: Counter
     trimmed_tokens: Counter
     requests: dict[int, Counter]  # by status code, filled on first use
-    # Inter-token latencies observed and not yet in `itl`: counts per ITL_BUCKETS bucket (+Inf last).
-    itl_counts: list[int] = field(default_factory=lambda: [0] * (len(ITL_BUCKETS) + 1))
-    itl_sum: float = 0.0
-    itl_pending: bool = False
+    # Inter-token latencies observed and not yet in `itl` (relays hold this list's `append`: the
+    # list itself is never replaced).
+    itl_values: list[float] = field(default_factory=list)
 
     def flush_itl(self) -> None:
         """Fold the pending inter-token latencies into the histogram (its own buckets, not cumulative)."""
-        if not self.itl_pending:
+        values = self.itl_values
+        if not values:
             return
+        values.sort()
         buckets = self.itl._buckets  # prometheus-client's per-bucket values; tests/metrics check the result
-        counts = self.itl_counts
-        for index, count in enumerate(counts):
-            if count:
-                buckets[index].inc(count)
-                counts[index] = 0
-        self.itl._sum.inc(self.itl_sum)
-        self.itl_sum = 0.0
-        self.itl_pending = False
+        below = 0  # values counted into the buckets so far
+        for index, bound in enumerate(ITL_BUCKETS):
+            upto = bisect_right(values, bound, below)  # le semantics: a value equal to the bound is in its bucket
+            if upto > below:
+                buckets[index].inc(upto - below)
+                below = upto
+        if below < len(values):
+            buckets[len(ITL_BUCKETS)].inc(len(values) - below)  # +Inf
+        self.itl._sum.inc(sum(values))
+        values.clear()
 
 
 class _FlushBeforeCollect:
@@ -276,12 +281,14 @@ class GatewayMetrics:
         _observe(self._series(model).ttft, seconds)
 
     def inter_token(self, model: str, seconds: float) -> None:
-        """`seconds` passed between two content chunks of one stream (counted now, exported at the
-        end of a request of `model` or at the next collection)."""
-        series = self._models.get(model) or self._series(model)
-        series.itl_counts[bisect_left(ITL_BUCKETS, seconds)] += 1  # le semantics: seconds <= bound
-        series.itl_sum += seconds
-        series.itl_pending = True
+        """`seconds` passed between two content chunks of one stream (kept now, exported at the end
+        of a request of `model` or at the next collection)."""
+        self._series(model).itl_values.append(seconds)
+
+    def inter_token_sink(self, model: str) -> Callable[[float], None]:
+        """`inter_token` for one model, as a plain `append` of its pending values (a stream's relay
+        looks it up once and calls it per chunk)."""
+        return self._series(model).itl_values.append
 
     def flush(self) -> None:
         """Every pending inter-token latency into its histogram (done before each collection)."""

@@ -313,9 +313,7 @@ class Exchange:
         deadlines = self.deadlines
         if deadlines is not None:
             deadlines.streaming(perf_counter())
-        metrics = self.proxy.metrics
-        inter_token = metrics.inter_token
-        model = self.request.model
+        inter_token = self.proxy.metrics.inter_token_sink(self.request.model)
         stream_format = self.request.endpoint.stream_format
         has_token = stream_format.has_token
         # What the client gets of each chunk: all of it, or (usage it did not ask for) the chunk without it.
@@ -330,7 +328,7 @@ class Exchange:
                 deadlines.last = now
             if has_token(chunk):
                 if record.first_token_at:
-                    inter_token(model, now - record.last_token_at)
+                    inter_token(now - record.last_token_at)
                     record.last_token_at = now
                 else:
                     self._first_token(now)

@@ -87,22 +87,17 @@ class _Connection(asyncio.Protocol):
             self.failure = f"malformed response from the engine: {exc}"
             self.close()
             self._wake()
-        if self.sunk:
+        if self.sunk:  # (the flush inlined: this runs once per read of a streamed answer)
             self.sunk = False
-            if not self.body_done:  # else splice() returns, and the caller ends its answer with what it has
-                self._flush()
-
-    def _flush(self) -> None:
-        flush = self.flush
-        if flush is None:
-            return
-        try:
-            full = flush()
-        except Exception as exc:  # noqa: BLE001 - the caller's failure: splice() raises it
-            self._sink_failed(exc)
-            return
-        if full:
-            self._pause()
+            flush = self.flush
+            if flush is not None and not self.body_done:  # else splice() returns, and the caller ends its answer
+                try:
+                    full = flush()
+                except Exception as exc:  # noqa: BLE001 - the caller's failure: splice() raises it
+                    self._sink_failed(exc)
+                    return
+                if full:
+                    self._pause()
 
     def _sink_failed(self, exc: Exception) -> None:
         self.sink = self.flush = None

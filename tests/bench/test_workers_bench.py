@@ -75,6 +75,8 @@ def test_cpu_rounds_are_reported_each():
     text = render_markdown(report)
     assert "each interleaved round: vllm-router 29.0, 31.0, 30.0 us; gateway x1 41.5, 38.5, 40.0 us" in text
     assert "gateway (1 worker) / vllm-router: 1.33x" in text
+    # Paired round by round: 41.5/29, 38.5/31, 40/30; the median is the middle one.
+    assert "round by round 1.43x, 1.24x, 1.33x (median 1.33x)" in text
 
 
 def test_the_report_names_every_path_and_goal():

@@ -23,7 +23,9 @@ the scaling measurement: each worker gets the same budget, so the ceiling of two
 how much of a second worker's CPU turns into relayed chunks.
 
 Figures per path: added p50 TTFT at 4 streams over direct (interleaved rounds, samples pooled),
-CPU per chunk at 64 streams (the proxy's whole process tree, from /proc), and chunks per second
+CPU per chunk at 64 streams (the proxy's whole process tree, from /proc; interleaved rounds, every
+other one in reverse order so that a drift of the machine weighs on every path alike, pooled, and
+the gateway/router ratio also round by round), and chunks per second
 at 256, 512 and 768 streams: the ceiling is the highest rate reached, with the cores each process
 used meanwhile (1.0 = one core busy) and what other processes of a shared machine took: a proxy
 below 1.0 core per worker was not what limited the rate. Chunks per proxy CPU-second (the chunks

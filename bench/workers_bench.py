@@ -291,10 +291,11 @@ def _rounds_line(fig: dict[str, dict]) -> list[str]:
 
 def _by_round(values: list[float | None] | None) -> str:
     """`; round by round 1.21x, 1.30x, ... (median 1.25x)` for per-round ratios, or nothing."""
-    known = sorted(v for v in values or [] if v is not None)
+    values = values or []
+    known = [v for v in values if v is not None]
     if len(known) < 2:
         return ""
-    return f"; round by round {', '.join(_fmt(v, 2, 'x') for v in values or [])} (median {_fmt(median(known), 2, 'x')})"
+    return f"; round by round {', '.join(_fmt(v, 2, 'x') for v in values)} (median {_fmt(median(known), 2, 'x')})"
 
 
 def _errors(results: dict[str, dict[int, dict]]) -> str:

@@ -155,7 +155,7 @@ def create_app(
     return Gateway(
         state=GatewayState(upstreams=upstreams, registry=metrics.registry, proxy=proxy, health=health),
         proxy=proxy,
-        reporter=RequestReporter(metrics, log_request),
+        reporter=RequestReporter(metrics, log_request if settings.access_log else None),
         steps=[trimming],
         keys=keys,
         protect_ops=settings.auth.protect_ops_endpoints,

@@ -116,6 +116,9 @@ class GatewaySettings(_Strict):
     limits: Limits = Field(default_factory=Limits)
     metrics_scrape_interval: float = Field(default=5.0, gt=0)
     log_format: Literal["json", "text"] = "json"
+    # One JSON line per request on `gateway.access` (observability.logs). False: none; the request
+    # metrics and the error and warning lines stay (vLLM's --disable-log-requests, nginx's access_log off).
+    access_log: bool = True
 
     source: Path | None = Field(default=None, exclude=True)
 

@@ -137,6 +137,28 @@ def test_ttft_once_per_stream_at_first_content_chunk_and_counters_by_status(stan
     assert "hello" not in json.dumps(lines)
 
 
+def test_access_log_off_writes_no_request_lines_and_still_counts_every_request(standin_url, caplog):
+    """`access_log: false`: no line on `gateway.access`, the same metrics, and a failure's warning stays."""
+    caplog.set_level(logging.INFO)
+    app, _ = make_gateway(ModelEngines(name="standin", urls=[standin_url]), access_log=False)
+    with serve_in_thread(app) as url, openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client:
+        messages = [{"role": "user", "content": "hello"}]
+        stream = client.chat.completions.create(model="standin", messages=messages, stream=True)
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        assert client.chat.completions.create(model="standin", messages=messages).usage.completion_tokens == 6
+        with pytest.raises(openai.APIError):  # the engine dies mid-stream: the gateway warns
+            list(
+                client.chat.completions.create(
+                    model="standin", messages=messages, stream=True, extra_body={"standin": {"die_after_chunks": 2}}
+                )
+            )
+        got = settled_samples(url, 3)
+    assert get(got, "gateway_requests_total", model="standin", code="200") == 3
+    assert get(got, "gateway_completion_tokens_total", model="standin") >= 2 * 6
+    assert not [r for r in caplog.records if r.name == ACCESS_LOGGER]
+    assert any(r.levelno == logging.WARNING and "failed mid-stream" in r.getMessage() for r in caplog.records)
+
+
 def test_dead_engines_are_marked_down_without_slowing_requests(standin_url, hanging_engine):
     """One engine hangs (accepts, never answers), one refuses. While the gateway's scrape of the
     hanging engine is provably outstanding (we hold its connection unanswered), requests and the

@@ -29,6 +29,10 @@ def refuses_connections(url: str) -> bool:
         httpx.get(f"{url}/ready", timeout=2)
     except httpx.ConnectError:
         return True
+    except (httpx.RemoteProtocolError, httpx.ReadError):
+        # Connected while the listener was closing (in its backlog, or accepted as it shut down)
+        # and closed unanswered: not refused yet, not served either; the next try tells.
+        return False
     return False
 
 

@@ -32,7 +32,17 @@ below 1.0 core per worker was not what limited the rate. Chunks per proxy CPU-se
 over the proxy's CPU seconds in that window) is what one busy core relays, whatever the rest of
 the machine left it: the figure to size a gateway with.
 
+The ratio of CPU per chunk to vllm-router's is also measured side by side (`--side-by-side`, six
+windows by default): the router and one gateway worker, both on core 1, each relaying 64 streams
+of its own load generator (both on core 0, with the engine) in the same seconds. A shared
+machine's speed drifts by a tenth or more within minutes; windows one after the other carry that
+drift into the ratio of each round, windows side by side do not. The same method run on two
+gateway workers of the same code (an A/A check: `--before HEAD --side-by-side 'gateway x1,before'`)
+gave 0.98-1.02x round by round where its interleaved windows in the same run gave 0.93-1.21x
+(docs/bench/workers-aa/workers.md).
+
 Usage: python -m bench.workers_bench --output docs/bench [--duration 8] [--paths ...] [--before REV] [--cap 0.2]
+       [--side-rounds 6] [--side-by-side vllm-router,gateway x1]
 """
 
 from __future__ import annotations
@@ -205,6 +215,53 @@ def run_window(
     return json.loads(done.stdout)
 
 
+def run_side_by_side(engine: Started, infos: dict[str, dict], concurrency: int, duration: float, warmup: float) -> dict:
+    """One window in which every path of `infos` (each a process on core 1) relays `concurrency`
+    streams of its own load generator (on core 0) at the same time: their CPU per chunk is paid in
+    the same seconds of a shared machine, so a drift of the machine moves both alike."""
+    pin(engine.pid, "0")
+    running: dict[str, subprocess.Popen[str]] = {}
+    try:
+        for path, info in infos.items():
+            argv = [
+                "taskset", "-c", "0", PYTHON, "-m", "bench.loadgen", "--url", info["url"], "--model", MODEL,
+                "--concurrency", str(concurrency), "--duration", str(duration), "--warmup", str(warmup),
+                "--cpu", f"proxy={info['process'].pid}",
+            ]  # fmt: skip
+            running[path] = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out = {}
+        for path, process in running.items():
+            stdout, stderr = process.communicate(timeout=duration + warmup + 120)
+            if process.returncode != 0:
+                raise RuntimeError(f"load generator of {path} failed ({process.returncode}):\n{stderr[-3000:]}")
+            out[path] = json.loads(stdout)
+        return out
+    finally:
+        for process in running.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def side_by_side_figures(windows: list[dict[str, dict]], paths: list[str]) -> dict:
+    """CPU per chunk of each path in each side-by-side window, and the second path's over the first's
+    round by round (paired in time) with their median."""
+    per_round = [{path: _cpu_per_chunk(window[path]) for path in paths} for window in windows]
+    first, second = paths
+    ratios_ = [
+        None if r[first] is None or r[second] is None or r[first] == 0 else r[second] / r[first] for r in per_round
+    ]
+    known = [r for r in ratios_ if r is not None]
+    return {
+        "paths": paths,
+        "concurrency": windows[0][first]["concurrency"] if windows else None,
+        "cpu_us_per_chunk_rounds": per_round,
+        "ratio_rounds": ratios_,
+        "ratio_median": median(known) if known else None,
+        "errors": sum(window[path]["errors"] for window in windows for path in paths),
+    }
+
+
 def figures(results: dict[str, dict[int, dict]], path: str) -> dict:
     mine, direct = results[path], results.get("direct", {})
     out: dict = {}
@@ -298,6 +355,24 @@ def _by_round(values: list[float | None] | None) -> str:
     return f"; round by round {', '.join(_fmt(v, 2, 'x') for v in values)} (median {_fmt(median(known), 2, 'x')})"
 
 
+def _side_by_side_lines(side: dict | None) -> list[str]:
+    if not side or not side.get("cpu_us_per_chunk_rounds"):
+        return []
+    first, second = side["paths"]
+    each = "; ".join(
+        ", ".join(f"{path} {_fmt(values[path], 1)}" for path in (first, second))
+        for values in side["cpu_us_per_chunk_rounds"]
+    )
+    return [
+        f"- CPU per chunk side by side ({first} and {second} relaying at once, {side['concurrency']} streams "
+        f"each), {second} / {first}: median {_fmt(side['ratio_median'], 2, 'x')}"
+        + (" (goal <= 1.25x)" if (first, second) == ("vllm-router", "gateway x1") else "")
+        + "; round by round "
+        f"{', '.join(_fmt(v, 2, 'x') for v in side['ratio_rounds'])}; us per chunk in each: {each}; "
+        f"errors {side['errors']}",
+    ]
+
+
 def _errors(results: dict[str, dict[int, dict]]) -> str:
     found = []
     for path, phases in results.items():
@@ -342,7 +417,9 @@ def render_markdown(report: dict) -> str:
     r = report["ratios"]
     lines += [
         "",
-        f"- CPU per chunk, gateway (1 worker) / vllm-router: {_fmt(r['cpu_per_chunk_x1_vs_router'], 2, 'x')} "
+        *_side_by_side_lines(report.get("side_by_side")),
+        f"- CPU per chunk, gateway (1 worker) / vllm-router, in interleaved windows: "
+        f"{_fmt(r['cpu_per_chunk_x1_vs_router'], 2, 'x')} "
         "(goal <= 1.25x)" + _by_round(r.get("cpu_per_chunk_x1_vs_router_rounds")),
         *_rounds_line(report["figures"]),
         *(
@@ -395,6 +472,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--low-duration", type=float, default=12.0, help="window at 4 streams, seconds (pooled)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved windows at 4 streams")
     parser.add_argument("--cpu-rounds", type=int, default=4, help="interleaved windows at 64 streams (CPU per chunk)")
+    parser.add_argument("--side-rounds", type=int, default=6, help="side-by-side windows at 64 streams (0: none)")
+    parser.add_argument(
+        "--side-by-side",
+        default="vllm-router,gateway x1",
+        metavar="A,B",
+        help="the two paths of the side-by-side windows, reported as B / A ('before': the --before path; "
+        "'gateway x1,before' with --before HEAD is an A/A check of the method)",
+    )
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--paths", default=",".join(ALL_PATHS))
     parser.add_argument(
@@ -417,8 +502,12 @@ def main(argv: list[str] | None = None) -> int:
     paths = [p for p in args.paths.split(",") if p]
     if "direct" not in paths:
         paths.insert(0, "direct")
-    if args.before:
-        paths.append(f"gateway x1 @{commit_of(args.before)}")
+    before = f"gateway x1 @{commit_of(args.before)}" if args.before else None
+    if before:
+        paths.append(before)
+    side = [before if name == "before" else name for name in args.side_by_side.split(",")]
+    if args.side_rounds and (len(side) != 2 or any(p not in paths or p in ("direct", "gateway x2") for p in side)):
+        parser.error(f"--side-by-side needs two of the measured one-core paths, not {args.side_by_side!r}")
     report: dict = {
         **report_header(),
         "cap": args.cap,
@@ -459,6 +548,18 @@ def main(argv: list[str] | None = None) -> int:
                     f"{_fmt(result['ttft_ms']['p50'], 2)} ms, errors {result['errors']}, CPU {result['cpu_s']}",
                     flush=True,
                 )
+        if args.side_rounds and all(path in live for path in side):
+            side_windows = []
+            for round_ in range(args.side_rounds):
+                side_windows.append(
+                    run_side_by_side(engine, {p: started[p] for p in side}, CPU_AT, args.duration, args.warmup)
+                )
+                print(
+                    f"side by side, round {round_}: "
+                    + ", ".join(f"{p} {_fmt(_cpu_per_chunk(side_windows[-1][p]), 1)} us/chunk" for p in side),
+                    flush=True,
+                )
+            report["side_by_side"] = side_by_side_figures(side_windows, side)
     report["loadavg_after"] = loadavg()
     report["results"] = results
     return _write(report, args.output)

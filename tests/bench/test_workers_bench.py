@@ -6,9 +6,20 @@ import os
 import subprocess
 import sys
 
+import httpx
 import pytest
 
-from bench.workers_bench import CPU_CGROUPS, CpuCaps, figures, ratios, render_markdown
+from bench.procs import Processes, start_standin, wait_chat_ready
+from bench.proxy_bench import MODEL
+from bench.workers_bench import (
+    CPU_CGROUPS,
+    CpuCaps,
+    figures,
+    ratios,
+    render_markdown,
+    run_side_by_side,
+    side_by_side_figures,
+)
 
 
 def window(concurrency: int, chunks: int, proxy_cpu: float | None, ttft_p50: float = 21.0, errors: int = 0) -> dict:
@@ -74,9 +85,53 @@ def test_cpu_rounds_are_reported_each():
     }  # fmt: skip
     text = render_markdown(report)
     assert "each interleaved round: vllm-router 29.0, 31.0, 30.0 us; gateway x1 41.5, 38.5, 40.0 us" in text
-    assert "gateway (1 worker) / vllm-router: 1.33x" in text
+    assert "gateway (1 worker) / vllm-router, in interleaved windows: 1.33x" in text
     # Paired round by round: 41.5/29, 38.5/31, 40/30; the median is the middle one.
     assert "round by round 1.43x, 1.24x, 1.33x (median 1.33x)" in text
+
+
+def side_window(chunks: int, proxy_cpu: float, errors: int = 0) -> dict:
+    return window(64, chunks, proxy_cpu, errors=errors)
+
+
+def test_side_by_side_pairs_the_two_paths_window_by_window():
+    windows = [
+        {"vllm-router": side_window(100_000, 3.0), "gateway x1": side_window(100_000, 3.6)},
+        {"vllm-router": side_window(100_000, 4.0), "gateway x1": side_window(50_000, 2.2, errors=2)},
+        {"vllm-router": side_window(100_000, 2.5), "gateway x1": side_window(100_000, 3.25)},
+    ]
+    side = side_by_side_figures(windows, ["vllm-router", "gateway x1"])
+    assert side["cpu_us_per_chunk_rounds"][1] == {"vllm-router": pytest.approx(40.0), "gateway x1": pytest.approx(44.0)}
+    assert side["ratio_rounds"] == [pytest.approx(1.2), pytest.approx(1.1), pytest.approx(1.3)]
+    assert side["ratio_median"] == pytest.approx(1.2)
+    assert side["errors"] == 2 and side["concurrency"] == 64
+    report = {
+        "date": "d", "commit": "c", "loadavg_before": "0", "loadavg_after": "0", "unavailable": {},
+        "machine": {"cpu": "x", "cores": 2, "kernel": "k", "python": "3.11", "vllm_router": "0.1"},
+        "results": {}, "figures": {}, "ratios": ratios({}), "side_by_side": side,
+    }  # fmt: skip
+    text = render_markdown(report)
+    assert (
+        "side by side (vllm-router and gateway x1 relaying at once, 64 streams each), gateway x1 / vllm-router: "
+        "median 1.20x (goal <= 1.25x); round by round 1.20x, 1.10x, 1.30x" in text
+    )
+    assert "vllm-router 40.0, gateway x1 44.0" in text and "errors 2" in text
+
+
+def test_side_by_side_loads_both_paths_in_the_same_seconds():
+    with Processes() as procs:
+        engine, url = start_standin(procs, core=None)
+        assert wait_chat_ready(engine, url, MODEL, timeout=60) is None
+        both = {"a": {"url": url, "process": engine}, "b": {"url": url, "process": engine}}
+        # Windows of 4 s: long enough to overlap however late a busy machine starts the second one.
+        windows = run_side_by_side(engine, both, concurrency=2, duration=4.0, warmup=0.5)
+        peak = httpx.get(f"{url}/_standin/stats").json()["peak_running"]
+    assert set(windows) == {"a", "b"}
+    for name in both:
+        assert windows[name]["errors"] == 0 and windows[name]["chunks"] > 0
+        assert windows[name]["cpu_s"]["proxy"] > 0  # the engine's CPU here, standing in for a proxy's
+    # Each load generator keeps its 2 streams going: more than 2 at once only if both ran together.
+    assert peak > 2
 
 
 def test_the_report_names_every_path_and_goal():

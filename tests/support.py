@@ -43,6 +43,22 @@ def refusing_port() -> Iterator[int]:
         yield sock.getsockname()[1]
 
 
+def refuses_connections(url: str, path: str = "/health", *, unanswered: bool = True) -> bool:
+    """Whether the server at `url` refuses new connections (its listening socket is closed).
+
+    A connection closed without an answer (it got into a closing listener's backlog, or was
+    accepted as the server shut down) was never served: refused when `unanswered` is True; with
+    False it is neither refused nor served yet, and the caller polls again.
+    """
+    try:
+        httpx.get(f"{url}{path}", timeout=2, headers={"connection": "close"})
+    except httpx.ConnectError:
+        return True
+    except (httpx.ReadError, httpx.RemoteProtocolError):
+        return unanswered
+    return False
+
+
 def wait_for(
     predicate: Callable[[], T],
     timeout: float = WAIT_TIMEOUT,

@@ -18,22 +18,15 @@ import threading
 import httpx
 
 from tests.gateway.conftest import chat_body, sse_events
-from tests.support import free_port, wait_for
+from tests.support import free_port, refuses_connections, wait_for
 
 STREAMS = 20
 TOKENS = 12
 
 
-def refuses_connections(url: str) -> bool:
-    try:
-        httpx.get(f"{url}/ready", timeout=2)
-    except httpx.ConnectError:
-        return True
-    except (httpx.RemoteProtocolError, httpx.ReadError):
-        # Connected while the listener was closing (in its backlog, or accepted as it shut down)
-        # and closed unanswered: not refused yet, not served either; the next try tells.
-        return False
-    return False
+def closed_for_good(url: str) -> bool:
+    """The listener is gone: a connection in its backlog closed unanswered does not count yet."""
+    return refuses_connections(url, "/ready", unanswered=False)
 
 
 def test_sigterm_during_20_streams_finishes_every_stream_and_accepts_nothing_new(engines, tmp_path):
@@ -55,7 +48,7 @@ def test_sigterm_during_20_streams_finishes_every_stream_and_accepts_nothing_new
             if gateway.poll() is not None:
                 log.flush()
                 raise AssertionError((tmp_path / "gateway.log").read_text()[-3000:])
-            return not refuses_connections(url) and httpx.get(f"{url}/ready", timeout=5).status_code == 200
+            return not closed_for_good(url) and httpx.get(f"{url}/ready", timeout=5).status_code == 200
 
         wait_for(up, timeout=60, interval=0.1, what="the gateway to be ready")
 
@@ -81,7 +74,7 @@ def test_sigterm_during_20_streams_finishes_every_stream_and_accepts_nothing_new
         wait_for(lambda: engine.stats()["held"] == STREAMS, timeout=60, what=engine.stats)
 
         gateway.send_signal(signal.SIGTERM)
-        wait_for(lambda: refuses_connections(url), timeout=60, what="the listening socket to close")
+        wait_for(lambda: closed_for_good(url), timeout=60, what="the listening socket to close")
         assert gateway.poll() is None  # still running: it drains
         for _ in range(3):  # new requests find no listener
             try:

@@ -14,7 +14,7 @@ from server.deploy.plan import plan_deployment
 from server.gateway.app import create_app
 from server.gateway.server import GatewayServer, uvicorn_config
 from tests.gateway.conftest import chat_body, fast_settings, sse_events
-from tests.support import free_port, wait_for, wait_http
+from tests.support import free_port, refuses_connections, wait_for, wait_http
 
 
 def start_server(settings):
@@ -42,17 +42,6 @@ def stream_in_background(url: str, body: dict) -> tuple[threading.Thread, dict]:
     thread.start()
     assert first.wait(10)
     return thread, result
-
-
-def refuses_connections(url: str) -> bool:
-    try:
-        httpx.get(f"{url}/health", timeout=2)
-    except httpx.ConnectError:
-        return True
-    except (httpx.ReadError, httpx.RemoteProtocolError):
-        # Connected into the listen backlog just before uvicorn closed the socket: reset, never served.
-        return True
-    return False
 
 
 def test_shutdown_lets_in_flight_streams_finish_and_refuses_new_connections(engines):

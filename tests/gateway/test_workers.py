@@ -29,7 +29,7 @@ from server.deploy import local
 from server.gateway.server import METRICS_DIR_PREFIX, WORKER_HEADER, reserve_port
 from server.gateway.settings import GatewaySettings, usable_cores, worker_count
 from tests.gateway.conftest import chat_body, sse_events
-from tests.support import free_port, wait_for
+from tests.support import free_port, refuses_connections, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 120.0  # two fresh interpreters importing the gateway on a busy 2-core machine
@@ -241,7 +241,7 @@ def test_sigterm_drains_both_workers_and_leaves_no_process(engines, tmp_path):
             client.start()
         wait_for(lambda: engine.stats()["held"] == streams, timeout=60, what=engine.stats)
         served.process.send_signal(signal.SIGTERM)
-        wait_for(lambda: refuses(served.url), timeout=60, what="both workers to close their sockets")
+        wait_for(lambda: refuses_connections(served.url), timeout=60, what="both workers to close their sockets")
         assert all(alive(pid) for pid in pids)  # draining: still running with streams in flight
         httpx.post(f"{engine.url}/_standin/release", timeout=5).raise_for_status()
         for client in clients:
@@ -279,7 +279,7 @@ def test_ctrl_c_in_a_terminal_drains_instead_of_cutting_streams(engines, tmp_pat
             client.start()
         wait_for(lambda: engine.stats()["held"] == 6, timeout=60, what=engine.stats)
         os.killpg(served.process.pid, signal.SIGINT)
-        wait_for(lambda: refuses(served.url), timeout=60, what="both workers to close their sockets")
+        wait_for(lambda: refuses_connections(served.url), timeout=60, what="both workers to close their sockets")
         httpx.post(f"{engine.url}/_standin/release", timeout=5).raise_for_status()
         for client in clients:
             client.join(120)
@@ -303,16 +303,6 @@ def _grace(tmp_path: Path, seconds: float) -> Path:
     config = tmp_path / "gateway.yaml"
     config.write_text(f"limits:\n  shutdown_grace: {seconds}\n")
     return config
-
-
-def refuses(url: str) -> bool:
-    try:
-        httpx.get(f"{url}/health", timeout=2, headers={"connection": "close"})
-    except httpx.ConnectError:
-        return True
-    except (httpx.ReadError, httpx.RemoteProtocolError):
-        return True  # in a closing socket's backlog: reset, never served
-    return False
 
 
 # -- the end-to-end tests of a real gateway process, again with two workers ---------------------

@@ -551,8 +551,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.side_rounds and all(path in live for path in side):
             side_windows = []
             for round_ in range(args.side_rounds):
+                order = side if round_ % 2 == 0 else side[::-1]  # which load generator starts first, alternately
                 side_windows.append(
-                    run_side_by_side(engine, {p: started[p] for p in side}, CPU_AT, args.duration, args.warmup)
+                    run_side_by_side(engine, {p: started[p] for p in order}, CPU_AT, args.duration, args.warmup)
                 )
                 print(
                     f"side by side, round {round_}: "

@@ -82,3 +82,27 @@ def test_the_relays_sink_keeps_working_across_folds():
     for key, value in want.items():
         assert got[key] == pytest.approx(value), key
     assert itl_samples(metrics.registry) == got  # nothing is counted twice
+
+
+@pytest.mark.parametrize("seed", [4, 5, 6])
+def test_streams_folded_one_by_one_count_as_observe_would(seed):
+    """Each finished stream folds its own few latencies, often all in a bucket or two and far from
+    the first one (the fold starts at the smallest value's bucket and stops once all are counted)."""
+    rng = random.Random(seed)
+    metrics = GatewayMetrics(CollectorRegistry())
+    everything: list[float] = []
+    for _ in range(40):
+        low = rng.choice([0.0, *ITL_BUCKETS])  # a stream's latencies sit around one bound or another
+        stream = [
+            rng.choice([low, low * 1.0001, low * 0.9999, low + rng.random() * 0.01]) for _ in range(rng.randint(1, 8))
+        ]
+        metrics.request_started("m")
+        for value in stream:
+            metrics.inter_token("m", value)
+        metrics.request_finished("m", 200, 0.1, True)
+        everything += stream
+    got = itl_samples(metrics.registry)
+    want = reference(everything)
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value), key

@@ -100,14 +100,19 @@ class _ModelSeries:
             return
         values.sort()
         buckets = self.itl._buckets  # prometheus-client's per-bucket values; tests/metrics check the result
+        count = len(values)
         below = 0  # values counted into the buckets so far
-        for index, bound in enumerate(ITL_BUCKETS):
-            upto = bisect_right(values, bound, below)  # le semantics: a value equal to the bound is in its bucket
+        # From the smallest value's bucket (le: the first bound >= it) until every value is counted:
+        # a stream's latencies fill a bucket or two of the 21, not all of them.
+        index = bisect_left(ITL_BUCKETS, values[0])
+        while below < count and index < len(ITL_BUCKETS):
+            upto = bisect_right(values, ITL_BUCKETS[index], below)  # a value equal to the bound is in its bucket
             if upto > below:
                 buckets[index].inc(upto - below)
                 below = upto
-        if below < len(values):
-            buckets[len(ITL_BUCKETS)].inc(len(values) - below)  # +Inf
+            index += 1
+        if below < count:
+            buckets[len(ITL_BUCKETS)].inc(count - below)  # +Inf
         self.itl._sum.inc(sum(values))
         values.clear()
 
@@ -263,17 +268,17 @@ class GatewayMetrics:
 
     def request_started(self, model: str) -> None:
         """A request for `model` arrived (after its model is known)."""
-        self._series(model).in_flight.inc()
+        self._series(model).in_flight._value.inc(1)  # (the child's value itself, as _observe: one call, not three)
 
     def request_finished(self, model: str, code: int, duration_s: float, streamed: bool) -> None:
         """A request ended with HTTP status `code` after `duration_s` seconds."""
         series = self._series(model)
         series.flush_itl()
-        series.in_flight.dec()
+        series.in_flight._value.inc(-1)
         counter = series.requests.get(code)
         if counter is None:
             counter = series.requests[code] = self._requests.labels(series.label, str(code))
-        counter.inc()
+        counter._value.inc(1)
         _observe(series.duration_stream if streamed else series.duration_plain, duration_s)
 
     def first_token(self, model: str, seconds: float) -> None:
@@ -300,7 +305,7 @@ class GatewayMetrics:
         counter = self._by_endpoint.get((endpoint, code))
         if counter is None:
             counter = self._by_endpoint[endpoint, code] = self._endpoint_requests.labels(endpoint, str(code))
-        counter.inc()
+        counter._value.inc(1)
 
     def endpoint_first_token(self, endpoint: str, seconds: float) -> None:
         histogram = self._ttft_by_endpoint.get(endpoint)
@@ -314,15 +319,15 @@ class GatewayMetrics:
         counter = self._by_reason.get((label, reason))
         if counter is None:
             counter = self._by_reason[label, reason] = self._routing.labels(label, reason)
-        counter.inc()
+        counter._value.inc(1)
 
     def usage(self, model: str, prompt_tokens: int, completion_tokens: int) -> None:
         """Token counts from an engine's `usage` object."""
         series = self._series(model)
-        if prompt_tokens:
-            series.prompt_tokens.inc(prompt_tokens)
-        if completion_tokens:
-            series.completion_tokens.inc(completion_tokens)
+        if prompt_tokens > 0:  # (Counter.inc refuses a negative amount; callers pass sane counts)
+            series.prompt_tokens._value.inc(prompt_tokens)
+        if completion_tokens > 0:
+            series.completion_tokens._value.inc(completion_tokens)
 
     def trimmed(self, model: str, messages: int, tokens: int) -> None:
         """History trimming dropped `messages` messages worth `tokens` prompt tokens."""

@@ -189,6 +189,24 @@ def start_paths(
     return out
 
 
+def _loadgen_argv(
+    url: str,
+    cores: str,
+    concurrency: int,
+    duration: float,
+    warmup: float,
+    cpu: dict[str, int],
+    extra: tuple[str, ...] = (),
+) -> list[str]:
+    """The load generator's command line: on `cores`, against `url`, measuring the CPU of `cpu`'s processes."""
+    return [
+        "taskset", "-c", cores, PYTHON, "-m", "bench.loadgen", "--url", url, "--model", MODEL,
+        "--concurrency", str(concurrency), "--duration", str(duration), "--warmup", str(warmup),
+        *[arg for name, pid in cpu.items() for arg in ("--cpu", f"{name}={pid}")],
+        *extra,
+    ]  # fmt: skip
+
+
 def run_window(
     procs: Processes,
     engine: Started,
@@ -202,13 +220,8 @@ def run_window(
     """One load-generator window against one path; the engine and the load generator on `info["cores"]`."""
     pin(engine.pid, info["cores"])
     cpu = {"engine": engine.pid, **({"proxy": info["process"].pid} if info["process"] is not None else {})}
-    argv = [
-        "taskset", "-c", info["cores"], PYTHON, "-m", "bench.loadgen", "--url", info["url"], "--model", MODEL,
-        "--concurrency", str(concurrency), "--duration", str(duration), "--warmup", str(warmup),
-        *[arg for name, pid in cpu.items() for arg in ("--cpu", f"{name}={pid}")],
-        *(["--samples"] if samples else []),
-        *loadgen_args,
-    ]  # fmt: skip
+    extra = (*(["--samples"] if samples else []), *loadgen_args)
+    argv = _loadgen_argv(info["url"], info["cores"], concurrency, duration, warmup, cpu, extra)
     done = subprocess.run(argv, capture_output=True, text=True, timeout=duration + warmup + 120)
     if done.returncode != 0:
         raise RuntimeError(f"load generator failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -223,11 +236,7 @@ def run_side_by_side(engine: Started, infos: dict[str, dict], concurrency: int, 
     running: dict[str, subprocess.Popen[str]] = {}
     try:
         for path, info in infos.items():
-            argv = [
-                "taskset", "-c", "0", PYTHON, "-m", "bench.loadgen", "--url", info["url"], "--model", MODEL,
-                "--concurrency", str(concurrency), "--duration", str(duration), "--warmup", str(warmup),
-                "--cpu", f"proxy={info['process'].pid}",
-            ]  # fmt: skip
+            argv = _loadgen_argv(info["url"], "0", concurrency, duration, warmup, {"proxy": info["process"].pid})
             running[path] = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         out = {}
         for path, process in running.items():

@@ -304,3 +304,35 @@ async def test_the_response_head_leaves_with_the_first_chunk_and_the_last_chunks
     assert writes == [b"HTTP/1.1 200 OK\r\n\r\n9\r\ndata: 1\n\n\r\n"]  # one system call
     writer.write(b"data: [DONE]\n\n")
     assert writer.release() == b"data: [DONE]\n\n" and len(writes) == 1  # for `send`, with the last chunk
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nhello", b"HTTP/1.0 200 OK\r\n\r\nhello"],
+    ids=["http/1.1 closing", "http/1.0"],
+)
+async def test_a_body_without_a_length_ends_where_the_connection_does(answer):
+    """An answer with neither content-length nor chunks is complete when the engine closes; a chunked
+    one cut short by the close is still a failure."""
+
+    async def handle(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            answer
+            if (await reader.readexactly(1)) == b"x"
+            else b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nhel\r\n"
+        )
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/health"
+    transport = UpstreamTransport(max_connections=2)
+    async with httpx.AsyncClient(transport=transport) as client:
+        response = await client.post(url, content=b"x")
+        assert (response.status_code, response.content) == (200, b"hello")
+        assert transport.idle_connections() == 0  # closed: not kept for another request
+        with pytest.raises(httpx.RemoteProtocolError):
+            await client.post(url, content=b"y")
+    server.close()
+    await server.wait_closed()

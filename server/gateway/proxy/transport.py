@@ -108,8 +108,16 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if not self.body_done and self.failure is None:
-            self.failure = str(exc) if exc else "the engine closed the connection"
+            if exc is None and self.head_done and self._ends_at_close():
+                self.body_done = True  # a body without a length ends where the connection does
+            else:
+                self.failure = str(exc) if exc else "the engine closed the connection"
         self._wake()
+
+    def _ends_at_close(self) -> bool:
+        """The response has neither a length nor chunks: its body is all the engine sends before it
+        closes (HTTP/1.0 servers, and HTTP/1.1 ones that close; RFC 9112 section 6.3, the last rule)."""
+        return not any(name.lower() in (b"content-length", b"transfer-encoding") for name, _ in self.headers)
 
     # -- httptools callbacks ---------------------------------------------------------------------
 

@@ -49,7 +49,7 @@ OWNERS = (
     # connection's callbacks: those are the relay's and the client side's, not the upstream client's.
     ("client-side socket writes of the spliced stream (edge.protocol writers)", r"ChunkedWriter|SendWriter"),
     ("relay loop and exchange (proxy.exchange, proxy.proxy)", r"_relay_stream\.<locals>\.sink"),
-    ("upstream HTTP/1.1 client (proxy.transport)", r"proxy/transport\.py"),
+    ("upstream HTTP/1.1 client (proxy.transport, proxy.connection)", r"proxy/(transport|connection)\.py"),
     ("deadlines (proxy.deadlines)", r"proxy/deadlines\.py"),
     ("request parsing, auth, routing table (edge)", r"gateway/edge/(?!router)"),
 )

@@ -9,19 +9,16 @@ directly (no httpx Request/Response objects per request); other code uses it as 
 transport (`httpx.AsyncClient(transport=UpstreamTransport(...))`). Either way it raises httpx's
 exceptions, and underneath:
 
-- one `asyncio.Protocol` per connection; httptools (the C parser uvicorn uses) turns bytes into
-  status, headers and body chunks; the request goes out in a single write;
+- one `asyncio.Protocol` per connection (connection.py); httptools (the C parser uvicorn uses)
+  turns bytes into status, headers and body chunks; the request goes out in a single write;
 - per origin a LIFO list of idle keep-alive connections (take and give back are O(1); closed or
   expired ones are dropped when taken) and a semaphore bounding the open connections;
 - a pooled connection that fails before any answer is retried once on a fresh one (the engine
   closed it while it was idle; the request never reached it);
 - no timer per read unless the request asks for a read timeout (the proxy keeps its own
   deadlines); a body the caller does not drain makes the connection pause reading;
-- a body can be spliced (`_Body.splice`): each chunk goes to the caller's sink from the
-  protocol's own callback as httptools parses it, with no future or task step per chunk; after
-  each socket read the sink is flushed once (chunks that arrived together leave together; not
-  after the read that ended the body: the caller sends that with the end of its own answer),
-  and reading pauses while the sink's consumer is full.
+- a body can be spliced (`_Body.splice`, connection.py): each chunk goes to the caller's sink
+  from the protocol's own callback as httptools parses it, with no future or task step per chunk.
 
 HTTP/1.1 only, for requests whose answers have a body (POST, and GET of a stored response; no
 HEAD): that is what engines speak. The interface the proxy sees is `proxy.upstream.Upstream`.
@@ -32,232 +29,16 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httptools
 import httpx
 
+from server.gateway.proxy.connection import Connection
+
 _DEFAULT_PORTS = {b"http": 80, b"https": 443}
-_PAUSE_ABOVE = 1 << 20  # bytes of unread body that make a connection stop reading the socket
 _HOP_BY_HOP = frozenset({b"transfer-encoding", b"content-length", b"connection"})
-
-
-class _Connection(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection; holds the state of the response being read."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.transport: asyncio.Transport | None = None
-        self.closed = False
-        self.idle_since = 0.0
-        self.request: httpx.Request | None = None
-        self._begin()
-
-    def _begin(self) -> None:
-        self.parser = httptools.HttpResponseParser(self)
-        self.status = 0
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.head_done = False
-        self.body_done = False
-        self.keep_alive = False
-        self.failure: str | None = None
-        self.received = False
-        self.chunks: deque[bytes] = deque()
-        self.buffered = 0
-        self.paused = False
-        self.sink: Callable[[bytes], None] | None = None  # set while spliced (see _Body.splice)
-        self.flush: Callable[[], bool] | None = None
-        self.sunk = False  # this read gave the sink something to flush
-        self.sink_error: Exception | None = None
-        self._waiter: asyncio.Future[None] | None = None
-
-    # -- asyncio.Protocol ------------------------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        self.received = True
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self.failure = f"malformed response from the engine: {exc}"
-            self.close()
-            self._wake()
-        if self.sunk:  # (the flush inlined: this runs once per read of a streamed answer)
-            self.sunk = False
-            flush = self.flush
-            if flush is not None and not self.body_done:  # else splice() returns, and the caller ends its answer
-                try:
-                    full = flush()
-                except Exception as exc:  # noqa: BLE001 - the caller's failure: splice() raises it
-                    self._sink_failed(exc)
-                    return
-                if full:
-                    self._pause()
-
-    def _sink_failed(self, exc: Exception) -> None:
-        self.sink = self.flush = None
-        self.sink_error = exc
-        self.close()
-        self._wake()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if not self.body_done and self.failure is None:
-            if exc is None and self.head_done and self._ends_at_close():
-                self.body_done = True  # a body without a length ends where the connection does
-            else:
-                self.failure = str(exc) if exc else "the engine closed the connection"
-        self._wake()
-
-    def _ends_at_close(self) -> bool:
-        """The response has neither a length nor chunks: its body is all the engine sends before it
-        closes (HTTP/1.0 servers, and HTTP/1.1 ones that close; RFC 9112 section 6.3, the last rule)."""
-        return not any(name.lower() in (b"content-length", b"transfer-encoding") for name, _ in self.headers)
-
-    # -- httptools callbacks ---------------------------------------------------------------------
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
-        self.keep_alive = self.parser.should_keep_alive()
-        self.head_done = True
-        self._wake()
-
-    def on_body(self, body: bytes) -> None:
-        sink = self.sink
-        if sink is not None:
-            try:
-                sink(body)
-            except Exception as exc:  # noqa: BLE001 - the caller's failure: splice() raises it, not the parser
-                self._sink_failed(exc)
-                return
-            self.sunk = True
-            return
-        self.chunks.append(body)
-        self.buffered += len(body)
-        if self.buffered > _PAUSE_ABOVE:
-            self._pause()
-        self._wake()
-
-    def on_message_complete(self) -> None:
-        self.body_done = True
-        self._wake()
-
-    # -- used by the transport -------------------------------------------------------------------
-
-    def _pause(self) -> None:
-        if not self.paused and self.transport is not None and not self.closed:
-            self.transport.pause_reading()
-            self.paused = True
-            self._wake()
-
-    def _resume(self) -> None:
-        if self.paused:
-            self.paused = False
-            if self.transport is not None and not self.closed:
-                self.transport.resume_reading()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def _wait(self, timeout: float | None) -> None:
-        self._waiter = self.loop.create_future()
-        try:
-            if timeout is None:
-                await self._waiter
-            else:
-                try:
-                    async with asyncio.timeout(timeout):
-                        await self._waiter
-                except TimeoutError:
-                    raise httpx.ReadTimeout("the engine sent nothing in time", request=self.request) from None
-        finally:
-            self._waiter = None
-
-    def send(self, request: httpx.Request | None, head: bytes, body: bytes) -> None:
-        self._begin()
-        self.request = request
-        assert self.transport is not None
-        self.transport.write(head + body if len(body) < 65536 else head)
-        if len(body) >= 65536:
-            self.transport.write(body)
-
-    async def read_head(self, timeout: float | None) -> None:
-        while not self.head_done:
-            if self.failure is not None:
-                raise httpx.RemoteProtocolError(
-                    f"Server disconnected without sending a response ({self.failure}).", request=self.request
-                )
-            await self._wait(timeout)
-
-    def _body_failed(self) -> httpx.RemoteProtocolError:
-        return httpx.RemoteProtocolError(
-            f"peer closed connection without sending complete message body ({self.failure})", request=self.request
-        )
-
-    def _take(self) -> bytes:
-        chunks = self.chunks
-        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
-        chunks.clear()
-        self.buffered = 0
-        self._resume()
-        return data
-
-    async def read_chunk(self, timeout: float | None) -> bytes:
-        """The body bytes received since the last call (b"" at the end of the body)."""
-        while not self.chunks:
-            if self.body_done:
-                return b""
-            if self.failure is not None:
-                raise self._body_failed()
-            await self._wait(timeout)
-        return self._take()
-
-    async def splice(
-        self, sink: Callable[[bytes], None], flush: Callable[[], bool], drain: Callable[[], Awaitable[None]]
-    ) -> None:
-        """Hand the rest of the body to `sink` chunk by chunk, from `on_body`, until it ends; `flush()`
-        after each read that gave it chunks, except the one that ended the body (what that read gave
-        is left to the caller, to send with its answer's end). `flush` returns True when the consumer is full: reading
-        pauses until `drain()` returns. Raises what `read_chunk` raises, and what `sink` or `flush`
-        raised. No read timeout: the caller keeps its own."""
-        try:
-            if self.chunks:
-                sink(self._take())
-                if flush():
-                    self._pause()
-            self.sink, self.flush = sink, flush
-            while True:
-                if self.sink_error is not None:
-                    raise self.sink_error
-                if self.paused:
-                    await drain()
-                    self._resume()
-                elif self.body_done:
-                    return
-                elif self.failure is not None:
-                    raise self._body_failed()
-                else:
-                    await self._wait(None)
-        finally:
-            self.sink = self.flush = None
-
-    def reusable(self) -> bool:
-        return self.body_done and self.keep_alive and not self.closed and self.failure is None
-
-    def close(self) -> None:
-        if self.transport is not None and not self.closed:
-            self.transport.close()
-        self.closed = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,7 +56,7 @@ class _Origin:
     __slots__ = ("idle", "slots")
 
     def __init__(self, max_connections: int) -> None:
-        self.idle: list[_Connection] = []
+        self.idle: list[Connection] = []
         self.slots = asyncio.Semaphore(max_connections)
 
 
@@ -286,7 +67,7 @@ class _Body(httpx.AsyncByteStream):
     was not read whole (which is how the engine learns that nobody is listening any more).
     """
 
-    def __init__(self, connection: _Connection, origin: _Origin, read_timeout: float | None) -> None:
+    def __init__(self, connection: Connection, origin: _Origin, read_timeout: float | None) -> None:
         self._connection = connection
         self._origin = origin
         self._read_timeout = read_timeout
@@ -304,7 +85,7 @@ class _Body(httpx.AsyncByteStream):
     async def splice(
         self, sink: Callable[[bytes], None], flush: Callable[[], bool], drain: Callable[[], Awaitable[None]]
     ) -> None:
-        """The rest of the body, each chunk to `sink` as it is parsed (see `_Connection.splice`)."""
+        """The rest of the body, each chunk to `sink` as it is parsed (see `Connection.splice`)."""
         await self._connection.splice(sink, flush, drain)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
@@ -344,7 +125,7 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         """Keep-alive connections waiting in the pool (for tests and diagnostics)."""
         return sum(len(o.idle) for o in self._origins.values())
 
-    def _take_idle(self, origin: _Origin) -> _Connection | None:
+    def _take_idle(self, origin: _Origin) -> Connection | None:
         now = time.monotonic()
         while origin.idle:
             connection = origin.idle.pop()
@@ -361,14 +142,14 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
 
     async def _connect(
         self, scheme: bytes, host: str, port: int, timeout: float | None, request: httpx.Request | None
-    ) -> _Connection:
+    ) -> Connection:
         loop = asyncio.get_running_loop()
         tls = scheme == b"https"
         context = (self.ssl_context or ssl.create_default_context()) if tls else None
         try:
             async with asyncio.timeout(timeout):
                 _, connection = await loop.create_connection(
-                    lambda: _Connection(loop), host, port, ssl=context, server_hostname=host if tls else None
+                    lambda: Connection(loop), host, port, ssl=context, server_hostname=host if tls else None
                 )
         except TimeoutError:
             raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out", request=request) from None

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,6 +111,26 @@ def wait_chat_ready(started: Started, base_url: str, model: str, timeout: float 
 
 STANDIN_MODEL = "standin"
 STANDIN_TIMING = {"ttft_ms": 20, "itl_ms": 10, "tokens": 32}  # 34 SSE chunks per answer
+
+
+def loadgen_argv(
+    url: str,
+    *,
+    concurrency: int,
+    duration: float,
+    warmup: float,
+    cpu: dict[str, int],
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """The load generator's command line (bench/loadgen.py): `concurrency` streams of the stand-in's
+    model against `url`, measuring the CPU of `cpu`'s processes (name -> pid). Not pinned: pin it
+    with `Processes.pinned` or taskset."""
+    return [
+        PYTHON, "-m", "bench.loadgen", "--url", url, "--model", STANDIN_MODEL,
+        "--concurrency", str(concurrency), "--duration", str(duration), "--warmup", str(warmup),
+        *[arg for name, pid in cpu.items() for arg in ("--cpu", f"{name}={pid}")],
+        *extra,
+    ]  # fmt: skip
 
 
 def start_standin(procs: Processes, *, core: int | None, tokens: int | None = None) -> tuple[Started, str]:

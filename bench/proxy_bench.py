@@ -39,6 +39,7 @@ from bench.procs import (
     Processes,
     Started,
     free_port,
+    loadgen_argv,
     start_standin,
     wait_chat_ready,
 )
@@ -102,12 +103,14 @@ def run_loadgen(
     cpu: dict[str, Started],
     samples: bool = False,
 ) -> dict:
-    argv = [
-        PYTHON, "-m", "bench.loadgen", "--url", url, "--model", MODEL,
-        "--concurrency", str(concurrency), "--duration", str(duration), "--warmup", str(warmup),
-        *[arg for name, started in cpu.items() for arg in ("--cpu", f"{name}={started.pid}")],
-        *(["--samples"] if samples else []),
-    ]  # fmt: skip
+    argv = loadgen_argv(
+        url,
+        concurrency=concurrency,
+        duration=duration,
+        warmup=warmup,
+        cpu={name: started.pid for name, started in cpu.items()},
+        extra=["--samples"] if samples else [],
+    )
     done = subprocess.run(
         procs.pinned(ENGINE_CORE, argv), capture_output=True, text=True, timeout=duration + warmup + 120
     )

@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.procs import PYTHON, STANDIN_MODEL, Processes, free_port, start_standin, wait_chat_ready
+from bench.procs import PYTHON, STANDIN_MODEL, Processes, free_port, loadgen_argv, start_standin, wait_chat_ready
 
 MODEL = STANDIN_MODEL
 STREAMS = 64
@@ -154,10 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
         warmup = 3.0
         load = subprocess.Popen(
-            procs.pinned(0, [PYTHON, "-m", "bench.loadgen", "--url", url, "--model", MODEL, "--concurrency",
-                             str(STREAMS), "--duration", str(2 * args.seconds + 1), "--warmup", str(warmup),
-                             "--cpu", f"proxy={gateway.pid}",
-                             *shorter]),
+            procs.pinned(0, loadgen_argv(url, concurrency=STREAMS, duration=2 * args.seconds + 1, warmup=warmup,
+                                         cpu={"proxy": gateway.pid}, extra=shorter)),
             stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         time.sleep(warmup)

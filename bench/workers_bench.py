@@ -64,6 +64,7 @@ from bench.procs import (
     commit_of,
     free_port,
     gateway_code,
+    loadgen_argv,
     start_standin,
     wait_chat_ready,
 )
@@ -198,13 +199,9 @@ def _loadgen_argv(
     cpu: dict[str, int],
     extra: tuple[str, ...] = (),
 ) -> list[str]:
-    """The load generator's command line: on `cores`, against `url`, measuring the CPU of `cpu`'s processes."""
-    return [
-        "taskset", "-c", cores, PYTHON, "-m", "bench.loadgen", "--url", url, "--model", MODEL,
-        "--concurrency", str(concurrency), "--duration", str(duration), "--warmup", str(warmup),
-        *[arg for name, pid in cpu.items() for arg in ("--cpu", f"{name}={pid}")],
-        *extra,
-    ]  # fmt: skip
+    """The load generator's command line on `cores` (a taskset list: windows may span both cores)."""
+    return ["taskset", "-c", cores, *loadgen_argv(url, concurrency=concurrency, duration=duration, warmup=warmup,
+                                                  cpu=cpu, extra=extra)]  # fmt: skip
 
 
 def run_window(

@@ -6,7 +6,8 @@ each chunk handed to the caller's sink from httptools' own callback as it is par
 future or task step per chunk, and the sink flushed once after each socket read (chunks that
 arrived together leave together; not after the read that ended the body: the caller sends that
 with the end of its own answer); reading pauses while the sink's consumer is full. No timer per
-read unless a read timeout is asked for. The pool of these is `transport.UpstreamTransport`.
+read unless a read timeout is asked for. A body with neither a length nor chunks ends when the
+engine closes the connection. The pool of these is `transport.UpstreamTransport`.
 """
 
 from __future__ import annotations

@@ -20,8 +20,10 @@ exceptions, and underneath:
 - a body can be spliced (`_Body.splice`, connection.py): each chunk goes to the caller's sink
   from the protocol's own callback as httptools parses it, with no future or task step per chunk.
 
-HTTP/1.1 only, for requests whose answers have a body (POST, and GET of a stored response; no
-HEAD): that is what engines speak. The interface the proxy sees is `proxy.upstream.Upstream`.
+HTTP/1.1 requests whose answers have a body (POST; GET of a stored response, and the health
+checks, model cards and `/metrics` scrapes; no HEAD): that is what engines speak. An answer
+with neither a length nor chunks (an HTTP/1.0 server's) ends where the connection does. The
+interface the proxy sees is `proxy.upstream.Upstream`.
 """
 
 from __future__ import annotations

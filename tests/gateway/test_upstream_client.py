@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from server.gateway.proxy.transport import UpstreamTransport
+from server.gateway.proxy.transport import UpstreamTransport, _Origin
 from tests.support import async_wait_for, refusing_port, serve_in_thread
 
 
@@ -62,6 +62,29 @@ async def test_max_connections_bounds_concurrent_requests(server_url):
         await asyncio.gather(*(client.get(f"{server_url}/slow") for _ in range(4)))
         assert loop.time() - started >= 0.55  # two rounds of 0.3 s, not one
         assert transport.idle_connections() == 2
+
+
+async def test_the_connection_bound_serves_waiters_in_order_and_survives_cancellation():
+    origin = _Origin(1)
+    origin.free -= 1  # one request holds the only slot
+    served: list[str] = []
+
+    async def request(name: str) -> None:
+        await origin.wait_for_slot()
+        served.append(name)
+
+    first, gone, last = (asyncio.create_task(request(n)) for n in ("first", "gone", "last"))
+    await async_wait_for(lambda: len(origin.waiters) == 3)
+    gone.cancel()  # a waiter that leaves before its turn takes nothing with it
+    await asyncio.gather(gone, return_exceptions=True)
+    assert len(origin.waiters) == 2
+    origin.release()
+    await first
+    assert served == ["first"] and origin.free == 0  # handed over, not counted free
+    origin.release()
+    last.cancel()  # handed a slot as it was cancelled: the slot goes back, not lost
+    await asyncio.gather(last, return_exceptions=True)
+    assert served == ["first"] and origin.free == 1 and not origin.waiters
 
 
 async def test_unfinished_responses_close_their_connection(server_url):

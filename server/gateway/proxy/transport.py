@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -53,13 +54,41 @@ class Target:
 
 
 class _Origin:
-    """The connections to one engine: idle ones (LIFO) and a bound on how many are open."""
+    """The connections to one engine: idle ones (LIFO) and a bound on how many are open.
 
-    __slots__ = ("idle", "slots")
+    The bound is a counter and a FIFO of waiters (an asyncio.Semaphore's semantics): a request
+    under the bound takes a slot without a coroutine or a lock's bookkeeping; one over it waits its turn.
+    """
+
+    __slots__ = ("free", "idle", "waiters")
 
     def __init__(self, max_connections: int) -> None:
         self.idle: list[Connection] = []
-        self.slots = asyncio.Semaphore(max_connections)
+        self.free = max_connections
+        self.waiters: deque[asyncio.Future[None]] = deque()
+
+    async def wait_for_slot(self) -> None:
+        """Wait until `release` hands this request a slot (called when `free` is 0)."""
+        waiter = asyncio.get_running_loop().create_future()
+        self.waiters.append(waiter)
+        try:
+            await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                self.release()  # handed a slot just as it was cancelled: pass it on
+            else:
+                self.waiters.remove(waiter)
+            raise
+
+    def release(self) -> None:
+        """A request gave its slot back: to the first waiter still waiting, else to the counter."""
+        waiters = self.waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self.free += 1
 
 
 class _Body(httpx.AsyncByteStream):
@@ -109,7 +138,7 @@ class _Body(httpx.AsyncByteStream):
             self._origin.idle.append(connection)
         else:
             connection.close()
-        self._origin.slots.release()
+        self._origin.release()
 
 
 class UpstreamTransport(httpx.AsyncBaseTransport):
@@ -224,7 +253,10 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         origin = self._origins.get(key)
         if origin is None:
             origin = self._origins[key] = _Origin(self.max_connections)
-        await origin.slots.acquire()
+        if origin.free:
+            origin.free -= 1
+        else:
+            await origin.wait_for_slot()
         connection = None
         try:
             connection = self._take_idle(origin)
@@ -244,7 +276,7 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         except BaseException:
             if connection is not None:
                 connection.close()
-            origin.slots.release()
+            origin.release()
             raise
         return _Body(connection, origin, read_timeout)
 

@@ -3,10 +3,10 @@
 `Deadlines` fires at most once and says why (`reason`). Before the first byte the first-byte
 and total deadlines apply; once streaming, the idle and total ones. Per streamed chunk the
 proxy only stores the time (`last`); the idle timer re-arms itself lazily, at most once per
-idle period. The timer starts on the loop's next turn: by then the request has gone out to the
-engine, so setting it up costs nothing on the way there. The client's disconnect comes from its
-connection (edge.protocol.watch_disconnect) under the gateway's own server; under another one a
-task waits on `receive` for `http.disconnect`, also from the next turn.
+idle period. The timer and the watch on the client start on the loop's next turn: by then the
+request has gone out to the engine, so setting them up costs nothing on the way there. The
+client's disconnect comes from its connection (edge.protocol.watch_disconnect) under the
+gateway's own server; under another one a task waits on `receive` for `http.disconnect`.
 """
 
 from __future__ import annotations
@@ -63,15 +63,15 @@ class Deadlines:
         self._handle: asyncio.TimerHandle | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._unwatch: Callable[[], None] | None = None
-        if send is not None:
-            self._unwatch = watch_disconnect(send, self._disconnected)
-        self._loop.call_soon(self._start, receive)
+        self._loop.call_soon(self._start, receive, send)
 
-    def _start(self, receive: Receive) -> None:
+    def _start(self, receive: Receive, send: Send | None) -> None:
         if not self._armed:
             return
         if not self._streaming:
             self._arm(min(self._first_byte_at, self._total_at))
+        if send is not None:
+            self._unwatch = watch_disconnect(send, self._disconnected)
         if self._unwatch is None:
             self._watcher = self._loop.create_task(_watch_disconnect(receive, self))
 

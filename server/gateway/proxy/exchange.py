@@ -165,15 +165,16 @@ class Exchange:
         """Try replicas until one answers; failures before the first byte move to the next one."""
         settings = self.proxy.settings
         routing = settings.routing
-        session = self.request.header(routing.session_header.lower().encode())
-        key = affinity_key(
-            self.request.body,
-            session=session,
-            prefix_affinity=routing.prefix_affinity,
-            prefix_chars=routing.prefix_chars,
-            prefix_min_chars=routing.prefix_min_chars,
-        )
-        prompt = await pool.prompt(routing, self.request.body, adapter=self.request.adapter)  # cache_aware only
+        key = prompt = None
+        if len(pool.engines) > 1:  # (with one replica there is nothing to choose: no key, no prompt to match)
+            key = affinity_key(
+                self.request.body,
+                session=self.request.header(routing.session_header.lower().encode()),
+                prefix_affinity=routing.prefix_affinity,
+                prefix_chars=routing.prefix_chars,
+                prefix_min_chars=routing.prefix_min_chars,
+            )
+            prompt = await pool.prompt(routing, self.request.body, adapter=self.request.adapter)  # cache_aware only
         attempts = settings.retries.max_attempts
         barred = excluded(self.request, pool)
         tried: list[Engine] = []

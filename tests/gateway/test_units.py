@@ -63,6 +63,24 @@ def test_parse_request_refuses_deep_nesting_before_anything_walks_it():
     assert parse_request(shallow, BY_NAME["chat"]).model == "m"
 
 
+@pytest.mark.parametrize("extra", [0, 50])  # brackets inside strings do not change the depth
+def test_the_depth_limit_is_exact(extra):
+    def body(depth: int) -> bytes:  # the body object, `messages`, one message, then `content` lists
+        content = b"[" * (depth - 3) + b"]" * (depth - 3)
+        return (
+            b'{"model": "m", "user": "'
+            + b"{" * extra
+            + b'", "messages": [{"role": "user", "content": '
+            + content
+            + b"}]}"
+        )
+
+    assert parse_request(body(64), BY_NAME["chat"]).model == "m"
+    with pytest.raises(InvalidRequest) as info:
+        parse_request(body(65), BY_NAME["chat"])
+    assert info.value.code == "invalid_json"
+
+
 def test_api_keys_from_env_and_file(tmp_path):
     (tmp_path / "keys").write_text("# ops keys\nfile-key-1\n\n  file-key-2  \n")
     config = Auth(api_keys_env="K", api_keys_file="keys")

@@ -86,7 +86,10 @@ class _Connection(asyncio.Protocol):
         if self.gone is not None and not self.gone.done():
             self.gone.set_result(None)
         if not self.body_done and self.failure is None:
-            self.failure = str(exc) if exc else "the server closed the connection"
+            if exc is None and self.head_done and not self.headers.keys() & {"content-length", "transfer-encoding"}:
+                self.body_done = True  # no length, no chunks: the body is all the server sent (RFC 9112 6.3)
+            else:
+                self.failure = str(exc) if exc else "the server closed the connection"
         self._wake()
 
     # httptools callbacks

@@ -217,6 +217,43 @@ def test_raw_transport_replaces_a_connection_the_server_closed_while_idle():
     assert first.ok and second.ok
 
 
+async def test_raw_transport_reads_an_answer_that_ends_where_the_connection_does():
+    """Neither content-length nor chunks (an HTTP/1.0 server, or one that closes): the body is what
+    came before the close; a chunked answer cut by a close is still a broken one."""
+    from loadtest.transport import HTTPClient, ProtocolError
+
+    async def handle(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        cut = (await reader.readexactly(1)) == b"y"
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nhel\r\n"
+            if cut
+            else b"HTTP/1.0 200 OK\r\ncontent-type: text/event-stream\r\n\r\ndata: hel\n\ndata: lo\n\n"
+        )
+        await writer.drain()
+        writer.close()
+
+    async def read(http, url, body):
+        response = await http.post(url, {}, body)
+        parts = []
+        try:
+            while (chunk := await response.next_chunk()) is not None:
+                parts.append(chunk[0])
+        finally:
+            await response.aclose()
+        return b"".join(parts)
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/chat/completions"
+    async with HTTPClient(max_connections=2) as http:
+        assert await read(http, url, b"x") == b"data: hel\n\ndata: lo\n\n"
+        assert not any(http._idle.values())  # closed by the server: not kept for another request
+        with pytest.raises(ProtocolError):
+            await read(http, url, b"y")
+    server.close()
+    await server.wait_closed()
+
+
 def test_raw_transport_speaks_https(tmp_path):
     import ssl
     import subprocess

@@ -39,7 +39,12 @@ machine's speed drifts by a tenth or more within minutes; windows one after the 
 drift into the ratio of each round, windows side by side do not. The same method run on two
 gateway workers of the same code (an A/A check: `--before HEAD --side-by-side 'gateway x1,before'`)
 gave 0.98-1.02x round by round where its interleaved windows in the same run gave 0.93-1.21x
-(docs/bench/workers-aa/workers.md).
+(docs/bench/workers-aa/workers.md). The added time to first token is measured the same way too:
+`direct`, the router and one gateway worker, each with 4 streams of its own load generator, in
+the same seconds (as many windows as `--side-rounds`, each `--low-duration` / 2 long; the samples
+pooled), so that the machine's drift between windows does not enter the difference of two p50s
+a few tenths of a millisecond apart. At 4 streams each proxy is busy a few percent of the time:
+the two on core 1 seldom wait for each other, and if they do, alike.
 
 Usage: python -m bench.workers_bench --output docs/bench [--duration 8] [--paths ...] [--before REV] [--cap 0.2]
        [--side-rounds 6] [--side-by-side vllm-router,gateway x1]
@@ -225,15 +230,20 @@ def run_window(
     return json.loads(done.stdout)
 
 
-def run_side_by_side(engine: Started, infos: dict[str, dict], concurrency: int, duration: float, warmup: float) -> dict:
-    """One window in which every path of `infos` (each a process on core 1) relays `concurrency`
-    streams of its own load generator (on core 0) at the same time: their CPU per chunk is paid in
-    the same seconds of a shared machine, so a drift of the machine moves both alike."""
+def run_side_by_side(
+    engine: Started, infos: dict[str, dict], concurrency: int, duration: float, warmup: float, samples: bool = False
+) -> dict:
+    """One window in which every path of `infos` (each a process on core 1, or `direct`: none) relays
+    `concurrency` streams of its own load generator (on core 0) at the same time: their CPU per chunk
+    and time to first token are measured in the same seconds of a shared machine, so a drift of the
+    machine moves them alike. `samples`: every TTFT too (for pooling)."""
     pin(engine.pid, "0")
     running: dict[str, subprocess.Popen[str]] = {}
     try:
         for path, info in infos.items():
-            argv = _loadgen_argv(info["url"], "0", concurrency, duration, warmup, {"proxy": info["process"].pid})
+            cpu = {"proxy": info["process"].pid} if info["process"] is not None else {}
+            extra = ("--samples",) if samples else ()
+            argv = _loadgen_argv(info["url"], "0", concurrency, duration, warmup, cpu, extra)
             running[path] = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         out = {}
         for path, process in running.items():
@@ -265,6 +275,30 @@ def side_by_side_figures(windows: list[dict[str, dict]], paths: list[str]) -> di
         "ratio_rounds": ratios_,
         "ratio_median": median(known) if known else None,
         "errors": sum(window[path]["errors"] for window in windows for path in paths),
+    }
+
+
+def side_by_side_ttft(windows: list[dict[str, dict]], paths: list[str]) -> dict:
+    """Added p50 TTFT over `direct` of each of `paths`, all measured in the same windows: the samples
+    of every window pooled, and window by window; the second path's minus the first's."""
+
+    def p50(values: list[float]) -> float | None:
+        return median(values) if values else None
+
+    pooled = {p: p50([v for w in windows for v in w[p].get("ttft_samples_ms", ())]) for p in ("direct", *paths)}
+    added = {p: _minus(pooled[p], pooled["direct"]) for p in paths}
+    rounds = [{p: _minus(w[p]["ttft_ms"]["p50"], w["direct"]["ttft_ms"]["p50"]) for p in paths} for w in windows]
+    first, second = paths
+    return {
+        "paths": paths,
+        "concurrency": windows[0][first]["concurrency"] if windows else None,
+        "p50_ms": pooled,
+        "added_ms": added,
+        "added_rounds_ms": rounds,
+        "second_minus_first_ms": _minus(added[second], added[first]),
+        "second_minus_first_rounds_ms": [_minus(r[second], r[first]) for r in rounds],
+        "samples": {p: sum(len(w[p].get("ttft_samples_ms", ())) for w in windows) for p in ("direct", *paths)},
+        "errors": sum(w[p]["errors"] for w in windows for p in ("direct", *paths)),
     }
 
 
@@ -379,6 +413,21 @@ def _side_by_side_lines(side: dict | None) -> list[str]:
     ]
 
 
+def _side_ttft_lines(side: dict | None) -> list[str]:
+    if not side or not side.get("added_rounds_ms"):
+        return []
+    first, second = side["paths"]
+    rounds = ", ".join(_fmt(v, 2) for v in side["second_minus_first_rounds_ms"])
+    return [
+        f"- added p50 TTFT side by side (direct, {first} and {second} each with {side['concurrency']} streams of "
+        f"its own load generator, at once; {len(side['added_rounds_ms'])} windows, samples pooled): {first} "
+        f"{_fmt(side['added_ms'][first], 2, ' ms')}, {second} {_fmt(side['added_ms'][second], 2, ' ms')} over "
+        f"direct; {second} minus {first}: {_fmt(side['second_minus_first_ms'], 2, ' ms')} (goal <= +0.3 ms); "
+        f"window by window {rounds} ms; samples {', '.join(f'{p} {n}' for p, n in side['samples'].items())}; "
+        f"errors {side['errors']}"
+    ]
+
+
 def _errors(results: dict[str, dict[int, dict]]) -> str:
     found = []
     for path, phases in results.items():
@@ -424,6 +473,7 @@ def render_markdown(report: dict) -> str:
     lines += [
         "",
         *_side_by_side_lines(report.get("side_by_side")),
+        *_side_ttft_lines(report.get("side_by_side_ttft")),
         f"- CPU per chunk, gateway (1 worker) / vllm-router, in interleaved windows: "
         f"{_fmt(r['cpu_per_chunk_x1_vs_router'], 2, 'x')} "
         "(goal <= 1.25x)" + _by_round(r.get("cpu_per_chunk_x1_vs_router_rounds")),
@@ -567,6 +617,22 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
             report["side_by_side"] = side_by_side_figures(side_windows, side)
+            if "direct" in live:
+                ttft_windows = []
+                for round_ in range(args.side_rounds):
+                    trio = ["direct", *side]
+                    order = trio[round_ % 3 :] + trio[: round_ % 3]  # which load generator starts first, in turn
+                    ttft_windows.append(
+                        run_side_by_side(
+                            engine, {p: started[p] for p in order}, LATENCY_AT, args.low_duration / 2, args.warmup, True
+                        )
+                    )
+                    print(
+                        f"TTFT side by side, round {round_}: "
+                        + ", ".join(f"{p} {_fmt(ttft_windows[-1][p]['ttft_ms']['p50'], 2)} ms" for p in trio),
+                        flush=True,
+                    )
+                report["side_by_side_ttft"] = side_by_side_ttft(ttft_windows, side)
     report["loadavg_after"] = loadavg()
     report["results"] = results
     return _write(report, args.output)

@@ -19,6 +19,7 @@ from bench.workers_bench import (
     render_markdown,
     run_side_by_side,
     side_by_side_figures,
+    side_by_side_ttft,
 )
 
 
@@ -118,6 +119,33 @@ def test_side_by_side_pairs_the_two_paths_window_by_window():
     assert "vllm-router 40.0, gateway x1 44.0" in text and "errors 2" in text
 
 
+def ttft_window(p50: float, samples: list[float], errors: int = 0) -> dict:
+    return {"concurrency": 4, "errors": errors, "ttft_ms": {"p50": p50}, "ttft_samples_ms": samples}
+
+
+def test_added_ttft_side_by_side_is_taken_over_direct_in_the_same_windows():
+    windows = [
+        {"direct": ttft_window(20.0, [19.9, 20.0, 20.1]), "vllm-router": ttft_window(20.4, [20.3, 20.4, 20.5]),
+         "gateway x1": ttft_window(20.6, [20.5, 20.6, 20.7])},
+        {"direct": ttft_window(21.0, [20.9, 21.0, 21.1]), "vllm-router": ttft_window(21.3, [21.2, 21.3, 21.4]),
+         "gateway x1": ttft_window(21.8, [21.7, 21.8, 21.9], errors=1)},
+    ]  # fmt: skip
+    side = side_by_side_ttft(windows, ["vllm-router", "gateway x1"])
+    # Pooled: the medians of all six samples of each path (20.5, 20.85, 21.2), minus direct's.
+    assert side["added_ms"] == {"vllm-router": pytest.approx(0.35), "gateway x1": pytest.approx(0.7)}
+    assert side["second_minus_first_ms"] == pytest.approx(0.35)
+    assert side["second_minus_first_rounds_ms"] == [pytest.approx(0.2), pytest.approx(0.5)]
+    assert side["samples"] == {"direct": 6, "vllm-router": 6, "gateway x1": 6} and side["errors"] == 1
+    report = {
+        "date": "d", "commit": "c", "loadavg_before": "0", "loadavg_after": "0", "unavailable": {},
+        "machine": {"cpu": "x", "cores": 2, "kernel": "k", "python": "3.11", "vllm_router": "0.1"},
+        "results": {}, "figures": {}, "ratios": ratios({}), "side_by_side_ttft": side,
+    }  # fmt: skip
+    text = render_markdown(report)
+    assert "vllm-router 0.35 ms, gateway x1 0.70 ms over direct; gateway x1 minus vllm-router: 0.35 ms" in text
+    assert "window by window 0.20, 0.50 ms" in text
+
+
 def test_side_by_side_loads_both_paths_in_the_same_seconds():
     with Processes() as procs:
         engine, url = start_standin(procs, core=None)
@@ -132,6 +160,18 @@ def test_side_by_side_loads_both_paths_in_the_same_seconds():
         assert windows[name]["cpu_s"]["proxy"] > 0  # the engine's CPU here, standing in for a proxy's
     # Each load generator keeps its 2 streams going: more than 2 at once only if both ran together.
     assert peak > 2
+
+
+def test_side_by_side_ttft_windows_carry_every_sample_and_direct_needs_no_process():
+    with Processes() as procs:
+        engine, url = start_standin(procs, core=None)
+        assert wait_chat_ready(engine, url, MODEL, timeout=60) is None
+        paths = {"direct": {"url": url, "process": None}, "a": {"url": url, "process": engine}}
+        windows = run_side_by_side(engine, paths, concurrency=2, duration=2.0, warmup=0.5, samples=True)
+    assert "proxy" not in windows["direct"]["cpu_s"] and windows["a"]["cpu_s"]["proxy"] > 0
+    for name in paths:
+        samples = windows[name]["ttft_samples_ms"]
+        assert samples and len(samples) == windows[name]["ttft_ms"]["n"]
 
 
 def test_the_report_names_every_path_and_goal():

@@ -40,8 +40,8 @@ drift into the ratio of each round, windows side by side do not. The same method
 gateway workers of the same code (an A/A check: `--before HEAD --side-by-side 'gateway x1,before'`)
 gave 0.98-1.02x round by round where its interleaved windows in the same run gave 0.93-1.21x
 (docs/bench/workers-aa/workers.md). The added time to first token is measured the same way too:
-`direct`, the router and one gateway worker, each with 4 streams of its own load generator, in
-the same seconds (as many windows as `--side-rounds`, each `--low-duration` / 2 long; the samples
+`direct`, the router, one gateway worker and two on the router's core, each with 4 streams of its
+own load generator, in the same seconds (as many windows as `--side-rounds`, each `--low-duration` / 2 long; the samples
 pooled), so that the machine's drift between windows does not enter the difference of two p50s
 a few tenths of a millisecond apart. At 4 streams each proxy is busy a few percent of the time:
 the two on core 1 seldom wait for each other, and if they do, alike.
@@ -280,7 +280,7 @@ def side_by_side_figures(windows: list[dict[str, dict]], paths: list[str]) -> di
 
 def side_by_side_ttft(windows: list[dict[str, dict]], paths: list[str]) -> dict:
     """Added p50 TTFT over `direct` of each of `paths`, all measured in the same windows: the samples
-    of every window pooled, and window by window; the second path's minus the first's."""
+    of every window pooled, and window by window; each later path's minus the first's."""
 
     def p50(values: list[float]) -> float | None:
         return median(values) if values else None
@@ -288,15 +288,15 @@ def side_by_side_ttft(windows: list[dict[str, dict]], paths: list[str]) -> dict:
     pooled = {p: p50([v for w in windows for v in w[p].get("ttft_samples_ms", ())]) for p in ("direct", *paths)}
     added = {p: _minus(pooled[p], pooled["direct"]) for p in paths}
     rounds = [{p: _minus(w[p]["ttft_ms"]["p50"], w["direct"]["ttft_ms"]["p50"]) for p in paths} for w in windows]
-    first, second = paths
+    first, others = paths[0], paths[1:]
     return {
         "paths": paths,
         "concurrency": windows[0][first]["concurrency"] if windows else None,
         "p50_ms": pooled,
         "added_ms": added,
         "added_rounds_ms": rounds,
-        "second_minus_first_ms": _minus(added[second], added[first]),
-        "second_minus_first_rounds_ms": [_minus(r[second], r[first]) for r in rounds],
+        "minus_first_ms": {p: _minus(added[p], added[first]) for p in others},
+        "minus_first_rounds_ms": {p: [_minus(r[p], r[first]) for r in rounds] for p in others},
         "samples": {p: sum(len(w[p].get("ttft_samples_ms", ())) for w in windows) for p in ("direct", *paths)},
         "errors": sum(w[p]["errors"] for w in windows for p in ("direct", *paths)),
     }
@@ -416,14 +416,17 @@ def _side_by_side_lines(side: dict | None) -> list[str]:
 def _side_ttft_lines(side: dict | None) -> list[str]:
     if not side or not side.get("added_rounds_ms"):
         return []
-    first, second = side["paths"]
-    rounds = ", ".join(_fmt(v, 2) for v in side["second_minus_first_rounds_ms"])
+    first, *others = side["paths"]
+    added = ", ".join(f"{p} {_fmt(side['added_ms'][p], 2, ' ms')}" for p in side["paths"])
+    minus = "; ".join(
+        f"{p} minus {first}: {_fmt(side['minus_first_ms'][p], 2, ' ms')} (window by window "
+        f"{', '.join(_fmt(v, 2) for v in side['minus_first_rounds_ms'][p])} ms)"
+        for p in others
+    )
     return [
-        f"- added p50 TTFT side by side (direct, {first} and {second} each with {side['concurrency']} streams of "
-        f"its own load generator, at once; {len(side['added_rounds_ms'])} windows, samples pooled): {first} "
-        f"{_fmt(side['added_ms'][first], 2, ' ms')}, {second} {_fmt(side['added_ms'][second], 2, ' ms')} over "
-        f"direct; {second} minus {first}: {_fmt(side['second_minus_first_ms'], 2, ' ms')} (goal <= +0.3 ms); "
-        f"window by window {rounds} ms; samples {', '.join(f'{p} {n}' for p, n in side['samples'].items())}; "
+        f"- added p50 TTFT side by side (direct, {', '.join(side['paths'])} each with {side['concurrency']} streams "
+        f"of its own load generator, at once; {len(side['added_rounds_ms'])} windows, samples pooled): {added} "
+        f"over direct; {minus} (goal <= +0.3 ms); samples {', '.join(f'{p} {n}' for p, n in side['samples'].items())}; "
         f"errors {side['errors']}"
     ]
 
@@ -618,10 +621,13 @@ def main(argv: list[str] | None = None) -> int:
                 )
             report["side_by_side"] = side_by_side_figures(side_windows, side)
             if "direct" in live:
+                # Two workers on the router's core too, when measured: their first chunks beside the others'.
+                compared = [*side, *(p for p in ("gateway x2 core 1",) if p in live and p not in side)]
+                everyone = ["direct", *compared]
                 ttft_windows = []
                 for round_ in range(args.side_rounds):
-                    trio = ["direct", *side]
-                    order = trio[round_ % 3 :] + trio[: round_ % 3]  # which load generator starts first, in turn
+                    turn = round_ % len(everyone)
+                    order = everyone[turn:] + everyone[:turn]  # which load generator starts first, in turn
                     ttft_windows.append(
                         run_side_by_side(
                             engine, {p: started[p] for p in order}, LATENCY_AT, args.low_duration / 2, args.warmup, True
@@ -629,10 +635,10 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     print(
                         f"TTFT side by side, round {round_}: "
-                        + ", ".join(f"{p} {_fmt(ttft_windows[-1][p]['ttft_ms']['p50'], 2)} ms" for p in trio),
+                        + ", ".join(f"{p} {_fmt(ttft_windows[-1][p]['ttft_ms']['p50'], 2)} ms" for p in everyone),
                         flush=True,
                     )
-                report["side_by_side_ttft"] = side_by_side_ttft(ttft_windows, side)
+                report["side_by_side_ttft"] = side_by_side_ttft(ttft_windows, compared)
     report["loadavg_after"] = loadavg()
     report["results"] = results
     return _write(report, args.output)

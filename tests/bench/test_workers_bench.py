@@ -126,24 +126,28 @@ def ttft_window(p50: float, samples: list[float], errors: int = 0) -> dict:
 def test_added_ttft_side_by_side_is_taken_over_direct_in_the_same_windows():
     windows = [
         {"direct": ttft_window(20.0, [19.9, 20.0, 20.1]), "vllm-router": ttft_window(20.4, [20.3, 20.4, 20.5]),
-         "gateway x1": ttft_window(20.6, [20.5, 20.6, 20.7])},
+         "gateway x1": ttft_window(20.6, [20.5, 20.6, 20.7]), "gateway x2 core 1": ttft_window(20.0, [20.0])},
         {"direct": ttft_window(21.0, [20.9, 21.0, 21.1]), "vllm-router": ttft_window(21.3, [21.2, 21.3, 21.4]),
-         "gateway x1": ttft_window(21.8, [21.7, 21.8, 21.9], errors=1)},
+         "gateway x1": ttft_window(21.8, [21.7, 21.8, 21.9], errors=1), "gateway x2 core 1": ttft_window(21.0, [21.0])},
     ]  # fmt: skip
-    side = side_by_side_ttft(windows, ["vllm-router", "gateway x1"])
+    side = side_by_side_ttft(windows, ["vllm-router", "gateway x1", "gateway x2 core 1"])
     # Pooled: the medians of all six samples of each path (20.5, 20.85, 21.2), minus direct's.
-    assert side["added_ms"] == {"vllm-router": pytest.approx(0.35), "gateway x1": pytest.approx(0.7)}
-    assert side["second_minus_first_ms"] == pytest.approx(0.35)
-    assert side["second_minus_first_rounds_ms"] == [pytest.approx(0.2), pytest.approx(0.5)]
-    assert side["samples"] == {"direct": 6, "vllm-router": 6, "gateway x1": 6} and side["errors"] == 1
+    assert side["added_ms"] == {
+        "vllm-router": pytest.approx(0.35), "gateway x1": pytest.approx(0.7), "gateway x2 core 1": pytest.approx(0.0)
+    }  # fmt: skip
+    assert side["minus_first_ms"] == {"gateway x1": pytest.approx(0.35), "gateway x2 core 1": pytest.approx(-0.35)}
+    assert side["minus_first_rounds_ms"]["gateway x1"] == [pytest.approx(0.2), pytest.approx(0.5)]
+    assert side["samples"] == {"direct": 6, "vllm-router": 6, "gateway x1": 6, "gateway x2 core 1": 2}
+    assert side["errors"] == 1
     report = {
         "date": "d", "commit": "c", "loadavg_before": "0", "loadavg_after": "0", "unavailable": {},
         "machine": {"cpu": "x", "cores": 2, "kernel": "k", "python": "3.11", "vllm_router": "0.1"},
         "results": {}, "figures": {}, "ratios": ratios({}), "side_by_side_ttft": side,
     }  # fmt: skip
     text = render_markdown(report)
-    assert "vllm-router 0.35 ms, gateway x1 0.70 ms over direct; gateway x1 minus vllm-router: 0.35 ms" in text
-    assert "window by window 0.20, 0.50 ms" in text
+    assert "vllm-router 0.35 ms, gateway x1 0.70 ms, gateway x2 core 1 0.00 ms over direct" in text
+    assert "gateway x1 minus vllm-router: 0.35 ms (window by window 0.20, 0.50 ms)" in text
+    assert "gateway x2 core 1 minus vllm-router: -0.35 ms (window by window -0.40, -0.30 ms)" in text
 
 
 def test_side_by_side_loads_both_paths_in_the_same_seconds():

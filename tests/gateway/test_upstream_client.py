@@ -87,6 +87,18 @@ async def test_the_connection_bound_serves_waiters_in_order_and_survives_cancell
     assert served == ["first"] and origin.free == 1 and not origin.waiters
 
 
+async def test_a_waiter_cancelled_and_then_passed_over_by_a_release_leaves_cleanly():
+    origin = _Origin(1)
+    origin.free -= 1
+    waiting = asyncio.create_task(origin.wait_for_slot())
+    await async_wait_for(lambda: len(origin.waiters) == 1)
+    waiting.cancel()  # its waiter is cancelled at once...
+    origin.release()  # ...and a release before it runs again drops it and counts the slot free
+    with pytest.raises(asyncio.CancelledError):  # (not a ValueError from the queue)
+        await waiting
+    assert origin.free == 1 and not origin.waiters
+
+
 async def test_unfinished_responses_close_their_connection(server_url):
     transport = UpstreamTransport(max_connections=2)
     async with httpx.AsyncClient(transport=transport) as client:

@@ -76,7 +76,7 @@ class _Origin:
         except BaseException:
             if waiter.done() and not waiter.cancelled():
                 self.release()  # handed a slot just as it was cancelled: pass it on
-            else:
+            elif waiter in self.waiters:  # (a release may have dropped it already, cancelled)
                 self.waiters.remove(waiter)
             raise
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl
 
 from server.gateway.edge.asgi import Headers, header_str
-from server.gateway.edge.checks import MAX_JSON_DEPTH, check_depth, missing, type_name, wrong_type
+from server.gateway.edge.checks import check_depth, missing, type_name, wrong_type
 from server.gateway.edge.endpoints import Endpoint
 from server.gateway.edge.forms import form_fields
 from server.gateway.errors import InvalidRequest
@@ -127,8 +127,7 @@ def _parse_json(raw: bytes, endpoint: Endpoint, headers: Headers, request_id: st
         raise InvalidRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise InvalidRequest(f"The request body must be a JSON object, got {type_name(body)}.", code="invalid_json")
-    if raw.count(b"{") + raw.count(b"[") > MAX_JSON_DEPTH:  # (fewer brackets cannot nest deeper)
-        check_depth(body)
+    check_depth(body, raw=raw)
 
     model = body.get("model")
     if model is None:

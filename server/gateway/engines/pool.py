@@ -45,6 +45,12 @@ class ModelPool:
         return min(reported) if reported else self.configured_max_model_len
 
     @property
+    def has_choice(self) -> bool:
+        """More than one replica: routing has something to choose. With one, a request needs no
+        affinity key and no prompt blocks (and the decision is that replica)."""
+        return len(self.engines) > 1
+
+    @property
     def healthy_count(self) -> int:
         return sum(1 for e in self.engines if e.healthy)
 
@@ -58,7 +64,7 @@ class ModelPool:
     ) -> PromptView | None:
         """The request's prompt in blocks, for `route` (None unless the policy is cache_aware and the
         model has more than one replica: with one, there is nothing for the prompt to decide)."""
-        if policy.policy != "cache_aware" or len(self.engines) < 2:
+        if policy.policy != "cache_aware" or not self.has_choice:
             return None
         return await self.cache.read(
             self.name, body, self.engines, precise=policy.prefix_index == "precise", adapter=adapter

@@ -166,7 +166,7 @@ class Exchange:
         settings = self.proxy.settings
         routing = settings.routing
         key = prompt = None
-        if len(pool.engines) > 1:  # (with one replica there is nothing to choose: no key, no prompt to match)
+        if pool.has_choice:
             key = affinity_key(
                 self.request.body,
                 session=self.request.header(routing.session_header.lower().encode()),

@@ -57,6 +57,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from statistics import median
 
@@ -257,6 +258,30 @@ def run_side_by_side(
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+def side_by_side_rounds(
+    engine: Started,
+    infos: dict[str, dict],
+    rounds: int,
+    concurrency: int,
+    duration: float,
+    warmup: float,
+    *,
+    show: Callable[[dict], str],
+    samples: bool = False,
+) -> list[dict[str, dict]]:
+    """`rounds` side-by-side windows of every path of `infos`, the order in which their load generators
+    start turned by one each round; each window printed as it ends (`show`: a path's figure)."""
+    paths = list(infos)
+    windows = []
+    for round_ in range(rounds):
+        turn = round_ % len(paths)
+        order = paths[turn:] + paths[:turn]  # which load generator starts first, in turn
+        windows.append(run_side_by_side(engine, {p: infos[p] for p in order}, concurrency, duration, warmup, samples))
+        print(f"side by side at {concurrency} streams, round {round_}: "
+              + ", ".join(f"{p} {show(windows[-1][p])}" for p in paths), flush=True)  # fmt: skip
+    return windows
 
 
 def side_by_side_figures(windows: list[dict[str, dict]], paths: list[str]) -> dict:
@@ -608,36 +633,19 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
         if args.side_rounds and all(path in live for path in side):
-            side_windows = []
-            for round_ in range(args.side_rounds):
-                order = side if round_ % 2 == 0 else side[::-1]  # which load generator starts first, alternately
-                side_windows.append(
-                    run_side_by_side(engine, {p: started[p] for p in order}, CPU_AT, args.duration, args.warmup)
-                )
-                print(
-                    f"side by side, round {round_}: "
-                    + ", ".join(f"{p} {_fmt(_cpu_per_chunk(side_windows[-1][p]), 1)} us/chunk" for p in side),
-                    flush=True,
-                )
+            side_windows = side_by_side_rounds(
+                engine, {p: started[p] for p in side}, args.side_rounds, CPU_AT, args.duration, args.warmup,
+                show=lambda w: f"{_fmt(_cpu_per_chunk(w), 1)} us/chunk",
+            )  # fmt: skip
             report["side_by_side"] = side_by_side_figures(side_windows, side)
             if "direct" in live:
                 # Two workers on the router's core too, when measured: their first chunks beside the others'.
                 compared = [*side, *(p for p in ("gateway x2 core 1",) if p in live and p not in side)]
-                everyone = ["direct", *compared]
-                ttft_windows = []
-                for round_ in range(args.side_rounds):
-                    turn = round_ % len(everyone)
-                    order = everyone[turn:] + everyone[:turn]  # which load generator starts first, in turn
-                    ttft_windows.append(
-                        run_side_by_side(
-                            engine, {p: started[p] for p in order}, LATENCY_AT, args.low_duration / 2, args.warmup, True
-                        )
-                    )
-                    print(
-                        f"TTFT side by side, round {round_}: "
-                        + ", ".join(f"{p} {_fmt(ttft_windows[-1][p]['ttft_ms']['p50'], 2)} ms" for p in everyone),
-                        flush=True,
-                    )
+                ttft_windows = side_by_side_rounds(
+                    engine, {p: started[p] for p in ("direct", *compared)}, args.side_rounds, LATENCY_AT,
+                    args.low_duration / 2, args.warmup,
+                    samples=True, show=lambda w: f"TTFT {_fmt(w['ttft_ms']['p50'], 2)} ms",
+                )  # fmt: skip
                 report["side_by_side_ttft"] = side_by_side_ttft(ttft_windows, compared)
     report["loadavg_after"] = loadavg()
     report["results"] = results

@@ -150,6 +150,26 @@ def test_added_ttft_side_by_side_is_taken_over_direct_in_the_same_windows():
     assert "gateway x2 core 1 minus vllm-router: -0.35 ms (window by window -0.40, -0.30 ms)" in text
 
 
+def test_side_by_side_rounds_turn_which_load_generator_starts_first(monkeypatch, capsys):
+    import bench.workers_bench as wb
+
+    calls = []
+
+    def fake(engine, infos, concurrency, duration, warmup, samples):
+        calls.append((list(infos), samples))
+        return {p: {"n": len(calls)} for p in infos}
+
+    monkeypatch.setattr(wb, "run_side_by_side", fake)
+    paths = {"direct": {}, "vllm-router": {}, "gateway x1": {}}
+    windows = wb.side_by_side_rounds(None, paths, 4, 4, 1.0, 0.0, show=lambda w: f"#{w['n']}", samples=True)
+    assert [order for order, _ in calls] == [
+        ["direct", "vllm-router", "gateway x1"], ["vllm-router", "gateway x1", "direct"],
+        ["gateway x1", "direct", "vllm-router"], ["direct", "vllm-router", "gateway x1"],
+    ]  # fmt: skip
+    assert all(samples for _, samples in calls) and [w["direct"]["n"] for w in windows] == [1, 2, 3, 4]
+    assert "round 1: direct #2, vllm-router #2, gateway x1 #2" in capsys.readouterr().out
+
+
 def test_side_by_side_loads_both_paths_in_the_same_seconds():
     with Processes() as procs:
         engine, url = start_standin(procs, core=None)

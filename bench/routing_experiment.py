@@ -510,7 +510,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the gateway's history trimming (default off: its /tokenize calls go through the pool too, "
         "which advances round robin's turn and counts as outstanding; the prompts fit anyway)",
     )
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="report.md, summary.json, command.txt")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="a new folder for report.md, summary.json, command.txt (default: a new one under "
+        "loadtest/results/cache-aware-routing/, named by the start time and the gateway's commit); "
+        "a folder that already holds a run is refused",
+    )
     group = parser.add_argument_group("workload (loadtest.tenants)")
     defaults = Workload()
     group.add_argument("--tenants", type=int, default=defaults.tenants)
@@ -535,6 +542,11 @@ async def experiment(args: argparse.Namespace, argv: list[str]) -> int:
         system_chars=args.system_chars, conversations=args.conversations, turns=args.turns,
         max_tokens=args.max_tokens, seed=args.seed,
     )  # fmt: skip
+    output = run_folder(args.output, args.code)
+    if output is None:
+        say(f"error: {args.output} already holds a run; give a new --output (a run never writes over an old one)")
+        return 2
+    args.output = output
     conversations = sessions(workload)
     todo = phases(policies, args.weights, args.weights_index)
     workdir = Path(tempfile.mkdtemp(prefix="routing-experiment-"))
@@ -575,6 +587,16 @@ async def experiment(args: argparse.Namespace, argv: list[str]) -> int:
     write_results(args.output, results, meta)
     say(f"wrote {args.output}/report.md and summary.json")
     return 0
+
+
+def run_folder(requested: Path | None, code: str) -> Path | None:
+    """The folder this run writes into: `requested`, unless it already holds a run (None then), or
+    by default a new one named by the start time (UTC) and the commit the gateways run, so that
+    `make routing-experiment` never writes over an earlier run's figures."""
+    if requested is None:
+        stamp = time.strftime("%Y-%m-%dT%H%M%SZ", time.gmtime())
+        return DEFAULT_OUTPUT / f"{stamp}-{commit_of(code).replace(' ', '-')}"
+    return None if (requested / "summary.json").exists() else requested
 
 
 @contextlib.contextmanager

@@ -148,6 +148,9 @@ class Profile(BaseModel):
         _expect(value, "max-num-seqs", int, lambda v: v > 0, "a positive integer")
         _expect(value, "tensor-parallel-size", int, lambda v: v > 0, "a positive integer")
         _expect(value, "pipeline-parallel-size", int, lambda v: v > 0, "a positive integer")
+        _expect(value, "data-parallel-size", int, lambda v: v > 0, "a positive integer")
+        _expect(value, "data-parallel-size-local", int, lambda v: v > 0, "a positive integer")
+        _expect(value, "enable-expert-parallel", bool, lambda v: True, "true or false")
         _expect(
             value,
             "gpu-memory-utilization",
@@ -176,6 +179,11 @@ class Profile(BaseModel):
             raise ValueError("lora_adapters: an adapter cannot be named like the served model")
         if self.kv_events and "kv-events-config" in self.vllm:
             raise ValueError("vllm.kv-events-config: set by `kv_events: true` (one endpoint per engine)")
+        if self.data_parallel_size % self.data_parallel_size_local:
+            raise ValueError(
+                f"vllm.data-parallel-size-local: {self.data_parallel_size_local} does not divide "
+                f"data-parallel-size {self.data_parallel_size} (every node runs as many ranks)"
+            )
         space = self.env.get("VLLM_CPU_KVCACHE_SPACE")
         if space is not None:
             try:
@@ -229,6 +237,31 @@ class Profile(BaseModel):
     def pipeline_parallel_size(self) -> int:
         value = self.vllm.get("pipeline-parallel-size")
         return value if isinstance(value, int) else 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        value = self.vllm.get("data-parallel-size")
+        return value if isinstance(value, int) else 1
+
+    @property
+    def data_parallel_size_local(self) -> int:
+        """Data-parallel ranks on one node (vLLM's data-parallel-size-local; all of them by default)."""
+        value = self.vllm.get("data-parallel-size-local")
+        return value if isinstance(value, int) else self.data_parallel_size
+
+    @property
+    def enable_expert_parallel(self) -> bool:
+        return self.vllm.get("enable-expert-parallel") is True
+
+    @property
+    def gpus_per_node(self) -> int:
+        """GPUs one node (pod) of an engine holds: tensor x pipeline x its local data-parallel ranks."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size_local
+
+    @property
+    def nodes(self) -> int:
+        """Nodes one engine spans: its data-parallel ranks over those of one node."""
+        return -(-self.data_parallel_size // self.data_parallel_size_local)
 
     @property
     def gpu_memory_utilization(self) -> float:

@@ -15,6 +15,7 @@ from server.engine.planner import (
     sequence_bytes,
 )
 from server.engine.profiles import load_profile, profiles_dir
+from server.engine.weights import model_shape, parameter_count
 
 LLAMA2_7B = dict(
     hidden_size=4096,
@@ -129,7 +130,13 @@ def test_weight_estimates_match_published_sizes():
     assert estimate_weight_bytes(LLAMA3_8B) / 2 == pytest.approx(8.03e9, rel=0.01)
     assert estimate_weight_bytes(LLAMA2_7B) / 2 == pytest.approx(6.74e9, rel=0.01)
     shipped = json.loads((profiles_dir().parent / "models" / "deepseek-ai--DeepSeek-V3" / "config.json").read_text())
-    assert estimate_weight_bytes(shipped) / 2 == pytest.approx(671e9, rel=0.02)
+    params = parameter_count(model_shape(shipped))
+    assert params == pytest.approx(671e9, rel=0.005)
+    # Its own fp8 weights: 1 byte a weight (+ an fp32 scale per 128x128 block), embedding and head in bf16.
+    embeddings = 2 * 129280 * 7168
+    assert estimate_weight_bytes(shipped) == pytest.approx((params - embeddings) + 2 * embeddings, rel=0.002)
+    unquantized = {k: v for k, v in shipped.items() if k != "quantization_config"}
+    assert estimate_weight_bytes(unquantized) == pytest.approx(2 * params, rel=0.001)
 
 
 def test_parse_size():

@@ -43,15 +43,15 @@ OWNERS = (
     ("request metrics (observability.metrics, prometheus_client)", r"observability/metrics\.py|prometheus_client/"),
     ("request report (observability.record)", r"observability/record\.py"),
     ("trimming step (trimming)", r"gateway/trimming/"),
-    ("routing and scoring (engines)", r"gateway/engines/"),
-    ("SSE scanning for usage/tokens (proxy.sse, streams)", r"proxy/sse\.py|proxy/streams\.py"),
+    ("routing and scoring (replicas)", r"gateway/replicas/"),
+    ("SSE scanning for usage/tokens (http.sse, streams)", r"http/sse\.py|http/streams\.py"),
     # The splice runs the relay's per-chunk work and the client's socket write inside the upstream
     # connection's callbacks: those are the relay's and the client side's, not the upstream client's.
-    ("client-side socket writes of the spliced stream (edge.protocol writers)", r"ChunkedWriter|SendWriter"),
+    ("client-side socket writes of the spliced stream (http.seam writers)", r"ChunkedWriter|SendWriter"),
     ("relay loop and exchange (proxy.exchange, proxy.proxy)", r"_relay_stream\.<locals>\.sink"),
     ("upstream HTTP/1.1 client (proxy.transport, proxy.connection)", r"proxy/(transport|connection)\.py"),
     ("deadlines (proxy.deadlines)", r"proxy/deadlines\.py"),
-    ("request parsing, auth, routing table (edge)", r"gateway/edge/(?!router)"),
+    ("request parsing, auth, routing table (request, app.auth)", r"gateway/request/|gateway/app/auth"),
 )
 # ...else to the first of these met from the innermost frame outwards (every request runs under
 # uvicorn's run_asgi: only what uvicorn itself does is uvicorn's).
@@ -59,7 +59,7 @@ LAYERS = (
     ("client-side HTTP and ASGI send (uvicorn httptools protocol)", r"uvicorn/"),
     ("JSON (jsonio, json)", r"jsonio\.py|/json/"),
     ("relay loop and exchange (proxy.exchange, proxy.proxy)", r"proxy/exchange\.py|proxy/proxy\.py|proxy/fanout"),
-    ("ASGI router (edge.router)", r"edge/router\.py"),
+    ("ASGI router (app.router)", r"app/router\.py"),
     ("event loop, sockets, C code under uvloop (self time)", r"Runner\.run|uvloop/__init__|runners\.py"),
 )
 

@@ -61,7 +61,7 @@ from loadtest.tenants import Workload, sessions, tenant_of
 from server.config import read_mapping
 from server.deploy.plan import DeploymentPlan, plan_deployment
 from server.engine.supervisor import EngineSupervisor, prepare
-from server.gateway.engines.scoring import Weights
+from server.gateway.replicas.scoring import Weights
 from server.gateway.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[1]

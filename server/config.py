@@ -66,7 +66,7 @@ class ModelEngines(BaseModel):
     # Their KV-event endpoints (vLLM --kv-events-config), in the order of `urls`, e.g.
     # tcp://10.0.0.5:5557; "" for an engine that publishes none. Precise prefix routing needs them.
     kv_events: list[str] = Field(default_factory=list)
-    # Engines found by DNS (server.gateway.engines.discovery): `engine-tiny.default.svc:8000`, one
+    # Engines found by DNS (server.gateway.replicas.discovery): `engine-tiny.default.svc:8000`, one
     # engine per address of the name (a headless Service, compose's `deploy.replicas`), or an SRV
     # name `_http._tcp.engine-tiny.default.svc`; with a profile, it gives trimming and capacity only.
     dns: list[str] = Field(default_factory=list)

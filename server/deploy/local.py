@@ -6,7 +6,7 @@ profile's replicas on base_port, base_port+1, ...) and hand the gateway the plan
 (repeat a NAME for replicas). `up` checks every profile against this host, builds the tiny model
 if a profile asks for it, starts one supervised engine per planned engine, waits until all are
 ready (SIGINT or SIGTERM meanwhile stops them: exit 130), serves the gateway, and stops the
-engines once the gateway has drained (server.gateway.server).
+engines once the gateway has drained (server.gateway.serving).
 
 Both serve with the config's `workers` gateway processes (1 by default), overridden by the
 GATEWAY_WORKERS environment variable, itself overridden by `--workers`; "auto" is one per core.
@@ -26,8 +26,8 @@ from pathlib import Path
 from server.config import SettingsError, parse_upstreams
 from server.deploy.plan import DeploymentPlan, plan_deployment
 from server.engine.supervisor import EngineStartError, EngineSupervisor, prepare
-from server.gateway.server import configure_logging, run
-from server.gateway.server import serve as serve_gateway
+from server.gateway.serving import configure_logging, run
+from server.gateway.serving import serve as serve_gateway
 from server.gateway.settings import GatewaySettings, load_settings, worker_count
 
 WORKERS_ENV = "GATEWAY_WORKERS"

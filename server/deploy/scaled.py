@@ -7,7 +7,7 @@ own services, so the compose renderer runs the profile's engines as that service
 embedded DNS (127.0.0.11 in every container) answers the service name with one address per
 running replica, so `docker compose up --scale engine-tiny=4` adds engines the gateway picks up
 within `discovery.interval` seconds, without a restart or a new rendering; scaling in takes them
-out the same way (server.gateway.engines.discovery). Prometheus finds them the same way
+out the same way (server.gateway.replicas.discovery). Prometheus finds them the same way
 (`dns_sd_configs`, server.deploy.monitoring).
 
 Everything else about such a service is an engine service's (server.deploy.compose): the one

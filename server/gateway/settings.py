@@ -13,12 +13,27 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from server.config import ModelEngines, SettingsError, describe, read_mapping
-from server.gateway.engines.routing import Policy
-from server.gateway.engines.scoring import Weights
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+# The routing policies by name (server.gateway.replicas.routing has one function each).
+Policy = Literal["cache_aware", "least_outstanding", "round_robin"]
+
+
+class Weights(BaseModel):
+    """How much each scorer counts (0 turns it off). Defaults: measured, see the README's table."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prefix: float = Field(default=1.0, ge=0)
+    balance: float = Field(default=2.0, ge=0)
+    kv_usage: float = Field(default=1.0, ge=0)
+    queue: float = Field(default=1.0, ge=0)
+    outstanding: float = Field(default=1.0, ge=0)
+    session: float = Field(default=1.0, ge=0)
 
 
 class Timeouts(_Strict):
@@ -41,7 +56,7 @@ class HealthCheck(_Strict):
 
 
 class Discovery(_Strict):
-    """Engines found by DNS (a model's `dns`, server.gateway.engines.discovery)."""
+    """Engines found by DNS (a model's `dns`, server.gateway.replicas.discovery)."""
 
     interval: float = Field(default=5.0, gt=0)  # seconds between two resolutions of every name
     timeout: float = Field(default=2.0, gt=0)  # for one lookup; a failed one keeps the engines known
@@ -57,8 +72,8 @@ class Retries(_Strict):
 
 
 class Routing(_Strict):
-    # cache_aware: scored (server.gateway.engines.scoring); least_outstanding and round_robin:
-    # after the affinity key below (server.gateway.engines.routing).
+    # cache_aware: scored (server.gateway.replicas.scoring); least_outstanding and round_robin:
+    # after the affinity key below (server.gateway.replicas.routing).
     policy: Policy = "cache_aware"
     # cache_aware: which prefix index scores the prompt. precise: the engines' KV events (falls back
     # to approximate while an engine's events are missing); approximate: what the gateway sent where.
@@ -103,7 +118,7 @@ class Limits(_Strict):
 class GatewaySettings(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
-    # Gateway processes sharing the port (SO_REUSEPORT, server.gateway.server); "auto": one per
+    # Gateway processes sharing the port (SO_REUSEPORT, server.gateway.serving); "auto": one per
     # core this process may run on. 1: the gateway runs in the launching process itself.
     workers: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = 1
     models: list[ModelEngines] = Field(default_factory=list)

@@ -22,7 +22,7 @@ def test_otherwise_the_innermost_layer_names_the_sample():
 
 
 def test_counts_add_up_to_the_samples():
-    raw = f"{RELAY} 7\n{ROOT};UsageScanner.feed (server/gateway/proxy/sse.py:4) 3\n\n"
+    raw = f"{RELAY} 7\n{ROOT};UsageScanner.feed (server/gateway/http/sse.py:4) 3\n\n"
     counts, total = categorize(raw)
     assert total == 10 and sum(counts.values()) == 10
     assert counts["relay loop and exchange (proxy.exchange, proxy.proxy)"] == 7

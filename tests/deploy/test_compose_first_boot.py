@@ -25,7 +25,7 @@ from server.deploy import monitoring
 from server.deploy.plan import plan_deployment
 from server.engine.planner import parse_size, plan_profile
 from server.engine.profiles import load_profile
-from server.gateway.engines.pool import EnginePool
+from server.gateway.replicas.pool import EnginePool
 from server.gateway.settings import load_settings
 
 from .conftest import ROOT, VARIANTS

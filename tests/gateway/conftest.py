@@ -31,9 +31,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.deploy.plan import plan_deployment
 from server.gateway.app import create_app
-from server.gateway.edge.protocol import protocol_for
-from server.gateway.edge.router import Gateway as GatewayApp
-from server.gateway.server import WORKER_HEADER
+from server.gateway.app.router import Gateway as GatewayApp
+from server.gateway.http.seam import protocol_for
+from server.gateway.serving.supervisor import WORKER_HEADER
 from server.gateway.settings import GatewaySettings, ModelEngines
 from tests.standin import Standin, StandinConfig, build_app
 from tests.support import serve_in_thread, wait_for
@@ -171,7 +171,7 @@ def served_gateway(
         return
     kwargs.setdefault("registry", CollectorRegistry())
     app = create_app(settings, models, **kwargs)
-    # The gateway's own connection protocol, as `serve` runs it (edge.protocol).
+    # The gateway's own connection protocol, as `serve` runs it (http.seam).
     with serve_in_thread(app, http=protocol_for(settings)) as url:
         yield Gateway(url, app)
 

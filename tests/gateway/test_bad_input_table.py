@@ -33,7 +33,7 @@ still answers a normal request and `gateway_requests_in_flight` is back to 0.
     negative-usage           an engine reporting usage -5/-1                    200 passed on, counted
     empty-key-list           GATEWAY keys "" or ","                             the gateway refuses to start
 
-The connection cap (503 too_many_connections) is in tests/gateway/edge/test_protocol.py: it
+The connection cap (503 too_many_connections) is in tests/gateway/http/test_seam.py: it
 needs a gateway with a cap of its own.
 """
 

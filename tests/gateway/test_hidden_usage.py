@@ -9,9 +9,9 @@ import re
 import httpx
 import pytest
 
-from server.gateway.edge.endpoints import BY_PATH
-from server.gateway.edge.requests import parse_request
 from server.gateway.proxy.hidden_usage import HiddenUsage, hide_usage_from_client, stamp
+from server.gateway.request.endpoints import BY_PATH
+from server.gateway.request.request import parse_request
 from tests.gateway.conftest import chat_body, fast_settings
 from tests.support import WAIT_TIMEOUT, wait_for
 

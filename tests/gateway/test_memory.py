@@ -67,6 +67,6 @@ def test_no_memory_growth_across_10000_requests(engines, gateway):
     wait_for(lambda: not [o for o in gc.get_objects() if type(o) is Exchange], interval=0.2)  # type(), not __class__
     pool = gw.state.upstreams.models["standin"]
     wait_for(lambda: all(e.outstanding == 0 for e in pool.engines))
-    transport = gw.state.proxy.upstream
+    transport = gw.state.proxy.context.upstream
     assert transport.idle_connections() <= CONCURRENCY
     assert engine.stats()["running"] == 0

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from server.config import ServedModel
-from server.gateway.edge.targets import engine_token, token_of
+from server.gateway.request.targets import engine_token, token_of
 from server.gateway.settings import GatewaySettings
 from tests.gateway.conftest import WORKER_COUNTS, WORKER_IDS, served_gateway
 
@@ -171,6 +171,6 @@ def test_an_endpoint_the_engine_does_not_serve_is_the_sdks_not_found_error(clien
 
 def test_response_ids_name_the_real_engine(client, real_engine, gateway_url):
     answer = client.responses.create(model=real_engine.model, input="x", max_output_tokens=1)
-    from server.gateway.engines.engine import Engine
+    from server.gateway.replicas.engine import Engine
 
     assert token_of(answer.id) == engine_token(Engine(real_engine.model, real_engine.url))

@@ -1,4 +1,4 @@
-"""Graceful shutdown of the served gateway (server.gateway.server)."""
+"""Graceful shutdown of the served gateway (server.gateway.serving)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from server.deploy.plan import plan_deployment
 from server.gateway.app import create_app
-from server.gateway.server import GatewayServer, uvicorn_config
+from server.gateway.serving.process import GatewayServer, uvicorn_config
 from tests.gateway.conftest import chat_body, fast_settings, sse_events
 from tests.support import free_port, refuses_connections, wait_for, wait_http
 

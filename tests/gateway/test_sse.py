@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from server.gateway.proxy.sse import UsageScanner, ends_with_done, has_token, scan_for_token, usage_from_body
+from server.gateway.http.sse import UsageScanner, ends_with_done, has_token, scan_for_token, usage_from_body
 
 
 def event(payload: dict) -> bytes:

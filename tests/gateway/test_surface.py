@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from server.gateway.edge.targets import engine_token, token_of
+from server.gateway.request.targets import engine_token, token_of
 from tests.gateway.conftest import fast_settings
 from tests.gateway.surface_standin import SurfaceStandin
 from tests.support import refusing_port, serve_in_thread, wait_for

@@ -7,19 +7,6 @@ import json
 
 import pytest
 
-from server.gateway.edge.endpoints import BY_PATH, ENDPOINTS, OTHERS, known_path, match
-from server.gateway.edge.forms import form_fields
-from server.gateway.edge.requests import parse_request
-from server.gateway.edge.targets import (
-    body_for,
-    engine_token,
-    excluded,
-    new_response_id,
-    resolve,
-    token_of,
-)
-from server.gateway.engines.engine import Engine
-from server.gateway.engines.pool import EnginePool, ModelPool
 from server.gateway.errors import (
     InvalidRequest,
     ModelNotFound,
@@ -27,9 +14,22 @@ from server.gateway.errors import (
     UpstreamFailed,
     engine_error_body,
 )
+from server.gateway.http.sse import UsageScanner
+from server.gateway.http.streams import RESPONSES, responses_has_token
 from server.gateway.observability.record import token_counts
-from server.gateway.proxy.sse import UsageScanner
-from server.gateway.proxy.streams import RESPONSES, responses_has_token
+from server.gateway.replicas.engine import Engine
+from server.gateway.replicas.pool import EnginePool, ModelPool
+from server.gateway.request.endpoints import BY_PATH, ENDPOINTS, OTHERS, known_path, match
+from server.gateway.request.forms import form_fields
+from server.gateway.request.request import parse_request
+from server.gateway.request.targets import (
+    body_for,
+    engine_token,
+    excluded,
+    new_response_id,
+    resolve,
+    token_of,
+)
 
 # -- the table ------------------------------------------------------------------------------------
 

@@ -75,7 +75,7 @@ async def test_tool_definitions_are_sent_to_the_engines_tokenizer(engines):
     """Templates render `tools` into the prompt: the gateway's token counts must include them, so
     its tokenize call carries them (and the middleware knows it may pass them)."""
     from server.deploy.plan import plan_deployment
-    from server.gateway.engines.pool import EnginePool
+    from server.gateway.replicas.pool import EnginePool
     from server.gateway.trimming.step import accepts_tools as _accepts_tools
     from server.gateway.trimming.target import EngineTrimTarget
 
@@ -97,7 +97,7 @@ async def test_counting_tokens_takes_no_routing_turn_and_counts_no_request(engin
     """Trimming's /tokenize is the gateway's own side request: under round robin it must not move
     the turn (run a of the routing experiment split 15:33 because it did), nor count as outstanding."""
     from server.deploy.plan import plan_deployment
-    from server.gateway.engines.pool import EnginePool
+    from server.gateway.replicas.pool import EnginePool
     from server.gateway.trimming.target import EngineTrimTarget
 
     pair = engines(2, max_model_len=200)

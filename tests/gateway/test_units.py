@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from server.config import SettingsError
-from server.gateway.edge.auth import bearer_token, key_matches, load_api_keys
-from server.gateway.edge.context import request_id_from
-from server.gateway.edge.endpoints import BY_NAME
-from server.gateway.edge.requests import parse_request
+from server.gateway.app.auth import bearer_token, key_matches, load_api_keys
 from server.gateway.errors import InvalidRequest
+from server.gateway.request.endpoints import BY_NAME
+from server.gateway.request.ids import request_id_from
+from server.gateway.request.request import parse_request
 from server.gateway.settings import Auth
 
 

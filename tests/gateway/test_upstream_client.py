@@ -271,7 +271,7 @@ async def test_what_the_read_that_ends_the_body_gave_is_left_to_the_caller_not_f
 
 
 async def test_under_another_asgi_server_the_body_goes_through_its_send():
-    from server.gateway.edge.protocol import SendWriter, body_writer
+    from server.gateway.http.seam import SendWriter, body_writer
 
     messages = []
 
@@ -294,7 +294,7 @@ async def test_under_another_asgi_server_the_body_goes_through_its_send():
 def test_chunks_written_together_leave_in_one_write_framed_as_one_http_chunk():
     from types import SimpleNamespace
 
-    from server.gateway.edge.protocol import ChunkedWriter
+    from server.gateway.http.seam import ChunkedWriter
 
     writes: list[bytes] = []
     flow = SimpleNamespace(write_paused=False)
@@ -314,7 +314,7 @@ def test_chunks_written_together_leave_in_one_write_framed_as_one_http_chunk():
 async def test_the_response_head_leaves_with_the_first_chunk_and_the_last_chunks_with_the_end():
     from types import SimpleNamespace
 
-    from server.gateway.edge.protocol import ChunkedWriter, start_body
+    from server.gateway.http.seam import ChunkedWriter, start_body
 
     writes: list[bytes] = []
     transport = SimpleNamespace(write=writes.append)

@@ -1,4 +1,4 @@
-"""`--workers N`: several gateway processes on one port (server.gateway.server), as an operator runs them.
+"""`--workers N`: several gateway processes on one port (server.gateway.serving), as an operator runs them.
 
 Every gateway here is a real `python -m server serve --workers 2` process tree (a supervisor and
 two workers) in front of stand-in engines in this process. Each response names its worker
@@ -26,7 +26,7 @@ import pytest
 
 from server.config import SettingsError
 from server.deploy import local
-from server.gateway.server import METRICS_DIR_PREFIX, WORKER_HEADER, reserve_port
+from server.gateway.serving.supervisor import METRICS_DIR_PREFIX, WORKER_HEADER, reserve_port
 from server.gateway.settings import GatewaySettings, usable_cores, worker_count
 from tests.gateway.conftest import chat_body, sse_events
 from tests.support import free_port, refuses_connections, wait_for

@@ -13,12 +13,12 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.gateway.engines.collector import EngineCollector
-from server.gateway.engines.engine import Engine
-from server.gateway.engines.kv_events import KvEventsCollector
-from server.gateway.engines.precise import PreciseIndex
-from server.gateway.engines.scraper import parse_engine_metrics
 from server.gateway.observability.metrics import GatewayMetrics
+from server.gateway.replicas.collector import EngineCollector
+from server.gateway.replicas.engine import Engine
+from server.gateway.replicas.kv_events import KvEventsCollector
+from server.gateway.replicas.precise import PreciseIndex
+from server.gateway.replicas.scraper import parse_engine_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((ROOT / "docker" / "grafana" / "dashboards").glob("*.json"))

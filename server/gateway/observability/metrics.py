@@ -10,7 +10,7 @@ increments per request instead of a Python loop over the buckets and two locked 
 chunk, which multiprocess files make dearer). Times are seconds measured
 with `time.perf_counter()` by the caller.
 
-Two families are labelled by endpoint (the name in edge.endpoints) instead of model:
+Two families are labelled by endpoint (the name in request.endpoints) instead of model:
 `gateway_endpoint_requests_total{endpoint, code}` and
 `gateway_endpoint_time_to_first_token_seconds{endpoint}`, so chat, Responses, embeddings and the
 rest can be told apart without multiplying every model series by every endpoint.
@@ -22,7 +22,7 @@ non-streaming request's full-response time can never be mistaken for a first-tok
 Every `request_started(model)` must be matched by exactly one `request_finished(model, ...)`,
 otherwise `gateway_requests_in_flight` drifts.
 
-With several gateway processes (server.gateway.server), each is created with `multiprocess_dir`:
+With several gateway processes (server.gateway.serving), each is created with `multiprocess_dir`:
 its metrics then live in prometheus-client's per-process files there (the process must have had
 PROMETHEUS_MULTIPROC_DIR set before prometheus_client was imported), none is registered on
 `registry`, and `registry` exposes the sums over every process, dead ones included for counters

@@ -14,7 +14,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from server.gateway.engines.scoring import Decision
+    from server.gateway.replicas.scoring import Decision
 
 log = logging.getLogger("gateway")
 

@@ -5,7 +5,7 @@ and total deadlines apply; once streaming, the idle and total ones. Per streamed
 proxy only stores the time (`last`); the idle timer re-arms itself lazily, at most once per
 idle period. The timer and the watch on the client start on the loop's next turn: by then the
 request has gone out to the engine, so setting them up costs nothing on the way there. The
-client's disconnect comes from its connection (edge.protocol.watch_disconnect) under the
+client's disconnect comes from its connection (http.seam.watch_disconnect) under the
 gateway's own server; under another one a task waits on `receive` for `http.disconnect`.
 """
 
@@ -16,8 +16,8 @@ from collections.abc import Callable
 from time import perf_counter
 from typing import Literal
 
-from server.gateway.edge.asgi import Receive, Send
-from server.gateway.edge.protocol import watch_disconnect
+from server.gateway.http.asgi import Receive, Send
+from server.gateway.http.seam import watch_disconnect
 
 Reason = Literal["first_byte", "idle", "total", "disconnect"]
 

@@ -11,7 +11,7 @@ one more `find` per chunk), so that every stream's tokens are counted.
 Failure handling, in the order a request meets it (`failures` has the table):
 - connection refused/reset, or a 503, before any byte reached the client: another replica,
   up to `retries.max_attempts`, with doubling backoff (a refusing engine is also marked down);
-  a request pinned to one replica (it asks for a response that replica stored, edge.targets) has
+  a request pinned to one replica (it asks for a response that replica stored, request.targets) has
   no other: when that replica is down or unreachable the answer is 404 response_not_found;
 - no byte from the engine within `timeouts.first_byte` (response headers, and for a stream its
   first chunk; for a non-streaming request that is the whole answer): 504;
@@ -23,7 +23,7 @@ Failure handling, in the order a request meets it (`failures` has the table):
 - the idle or total deadline passing while the relay waits for the client to take a chunk (it
   stopped reading: flow control): that is the client's stall, not the engine's silence. Logged
   as `client_stalled` with status 499, and the client's connection is closed at once, since no
-  error event could reach it (edge.protocol.abort_connection).
+  error event could reach it (http.seam.abort_connection).
 Deadlines and disconnects cancel the request's task (`deadlines`); `Exchange.attempt` owns the
 upstream response and closes it on every path. An engine's error answer passes through with its
 status; one that is not in the OpenAI envelope (an endpoint the engine does not serve) is put in one.
@@ -34,59 +34,33 @@ from __future__ import annotations
 import asyncio
 import logging
 from time import perf_counter
-from typing import TYPE_CHECKING
 
 import httpx
 
-from server.gateway.edge.asgi import Headers, Message, Receive, Send
-from server.gateway.edge.protocol import ChunkedWriter, SendWriter, abort_connection, start_body
-from server.gateway.edge.requests import GatewayRequest
-from server.gateway.edge.targets import body_for, excluded
-from server.gateway.engines.engine import Engine
-from server.gateway.engines.pool import ModelPool
-from server.gateway.engines.routing import affinity_key
 from server.gateway.errors import (
     GatewayError,
     NoEngineAvailable,
     ResponseNotFound,
-    UpstreamFailed,
-    UpstreamTimeout,
     engine_error_body,
-    send_error,
 )
-from server.gateway.observability.record import (
-    CLIENT_CLOSED,
-    CLIENT_STALLED,
-    RequestRecord,
-)
-from server.gateway.proxy.deadlines import Deadlines, Reason
+from server.gateway.http.asgi import Headers, Receive, Send
+from server.gateway.http.seam import start_body
+from server.gateway.http.sse import UsageScanner, usage_from_body
+from server.gateway.observability.record import RequestRecord
+from server.gateway.proxy.answer import ClientAnswer
+from server.gateway.proxy.context import ProxyContext
+from server.gateway.proxy.deadlines import Deadlines
 from server.gateway.proxy.failures import Failure, Stage, upstream_failure
+from server.gateway.proxy.headers import upstream_headers
 from server.gateway.proxy.hidden_usage import HiddenUsage, hide_usage_from_client
-from server.gateway.proxy.sse import UsageScanner, usage_from_body
 from server.gateway.proxy.upstream import UpstreamResponse
-
-if TYPE_CHECKING:
-    from server.gateway.proxy.proxy import Proxy
+from server.gateway.replicas.engine import Engine
+from server.gateway.replicas.pool import ModelPool
+from server.gateway.replicas.routing import affinity_key
+from server.gateway.request.request import GatewayRequest
+from server.gateway.request.targets import body_for, excluded
 
 log = logging.getLogger("gateway.proxy")
-
-# Response headers that describe the engine's connection, not the answer.
-_DROPPED_RESPONSE_HEADERS = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"transfer-encoding",
-        b"content-length",
-        b"date",
-        b"server",
-        b"proxy-authenticate",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"upgrade",
-        b"x-request-id",
-    }
-)
 
 
 class _Retry(Exception):
@@ -98,52 +72,17 @@ class _Retry(Exception):
         self.response = response  # an engine's 503, passed through if no replica does better
 
 
-def upstream_headers(request: GatewayRequest, forward_auth: bool) -> Headers:
-    """The headers an engine gets: the body's type, the request id, and the client's key when we have none."""
-    headers = [
-        (b"content-type", request.content_type),
-        (b"x-request-id", request.request_id.encode()),
-        (b"accept-encoding", b"identity"),
-    ]
-    accept = request.header(b"accept")
-    headers.append((b"accept", accept.encode("latin-1") if accept else b"*/*"))
-    if forward_auth:
-        auth = request.header(b"authorization")
-        if auth:
-            headers.append((b"authorization", auth.encode("latin-1")))
-    return headers
-
-
-class Exchange:
+class Exchange(ClientAnswer):
     """One client request and its answer, from routing to the last byte."""
 
-    __slots__ = (
-        "deadlines",
-        "hidden",
-        "hide_usage",
-        "last",
-        "proxy",
-        "record",
-        "request",
-        "send",
-        "stalled",
-        "writer",
-    )
+    __slots__ = ("hide_usage",)
 
-    def __init__(self, proxy: Proxy, request: GatewayRequest, record: RequestRecord, send: Send) -> None:
-        self.proxy = proxy
-        self.request = request
-        self.record = record
-        self.send = send
-        self.deadlines: Deadlines | None = None
-        self.last = b""  # the last chunk relayed, kept when a deadline cuts a stream (its error event follows it)
+    def __init__(self, context: ProxyContext, request: GatewayRequest, record: RequestRecord, send: Send) -> None:
+        super().__init__(context, request, record, send)
         self.hide_usage = False  # the engine is asked for usage the client did not ask for (proxy.hidden_usage)
-        self.hidden: HiddenUsage | None = None
-        self.stalled = False  # a deadline cut the stream while the client was not taking its chunks
-        self.writer: ChunkedWriter | SendWriter | None = None  # the stream's body, once it started
 
     async def run(self, pool: ModelPool, receive: Receive) -> None:
-        t = self.proxy.settings.timeouts
+        t = self.context.settings.timeouts
         task = asyncio.current_task()
         assert task is not None
         deadlines = self.deadlines = Deadlines(
@@ -163,7 +102,7 @@ class Exchange:
 
     async def _forward(self, pool: ModelPool) -> None:
         """Try replicas until one answers; failures before the first byte move to the next one."""
-        settings = self.proxy.settings
+        settings = self.context.settings
         routing = settings.routing
         key = prompt = None
         if pool.has_choice:
@@ -231,10 +170,10 @@ class Exchange:
     # -- one engine -------------------------------------------------------------------------------
 
     def _upstream_headers(self) -> Headers:
-        return upstream_headers(self.request, self.proxy.forward_auth)
+        return upstream_headers(self.request, self.context.forward_auth)
 
     def _failed(self, exc: httpx.HTTPError, engine: Engine, stage: Stage) -> Failure:
-        failure = upstream_failure(exc, engine.id, engine.model, stage, self.proxy.connect_timeout)
+        failure = upstream_failure(exc, engine.id, engine.model, stage, self.context.connect_timeout)
         if failure.engine_down is not None:
             engine.mark_down(failure.engine_down)
         return failure
@@ -247,19 +186,19 @@ class Exchange:
 
     async def attempt(self, engine: Engine) -> None:
         """Send the request to `engine` and relay its answer. Owns the upstream response: closed on every path."""
-        proxy = self.proxy
+        context = self.context
         request = self.request
         endpoint = request.endpoint
         target = (
-            proxy.target(engine, request.path, endpoint.method, cache=False)
+            context.target(engine, request.path, endpoint.method, cache=False)
             if request.path
-            else proxy.target(engine, endpoint.path, endpoint.method)
+            else context.target(engine, endpoint.path, endpoint.method)
         )
         response: UpstreamResponse | None = None
         try:
             try:
-                response = await proxy.upstream.post(
-                    target, self._upstream_headers(), body_for(request, engine), connect_timeout=proxy.connect_timeout
+                response = await context.upstream.post(
+                    target, self._upstream_headers(), body_for(request, engine), connect_timeout=context.connect_timeout
                 )
             except httpx.HTTPError as exc:
                 self._raise(exc, engine, Stage.CONNECT)
@@ -298,7 +237,7 @@ class Exchange:
         After the first chunk the engine's body is spliced into the client's connection: each chunk
         is handled by `sink`, called by the upstream connection as it parses the chunk, which
         stamps it (first token, inter-token latency, the idle deadline), takes the usage out when
-        the client did not ask for it, and frames it for the client (edge.protocol's ChunkedWriter);
+        the client did not ask for it, and frames it for the client (http.seam's ChunkedWriter);
         after each read from the engine the writer is flushed in one write (several chunks that
         arrived together, under load, leave together). No ASGI message, future or task step per
         chunk; when the client's buffer is full the engine's socket is paused until it drains
@@ -314,11 +253,11 @@ class Exchange:
         deadlines = self.deadlines
         if deadlines is not None:
             deadlines.streaming(perf_counter())
-        inter_token = self.proxy.metrics.inter_token_sink(self.request.model)
+        inter_token = self.context.metrics.inter_token_sink(self.request.model)
         stream_format = self.request.endpoint.stream_format
         has_token = stream_format.has_token
         # What the client gets of each chunk: all of it, or (usage it did not ask for) the chunk without it.
-        hidden = self.hidden = HiddenUsage(self.proxy.fingerprints, engine.id) if self.hide_usage else None
+        hidden = self.hidden = HiddenUsage(self.context.fingerprints, engine.id) if self.hide_usage else None
         scanner: UsageScanner | HiddenUsage = hidden if hidden is not None else UsageScanner()
         feed = scanner.feed
         write = writer.write
@@ -373,101 +312,9 @@ class Exchange:
         record.usage = scanner.finish()
         await send({"type": "http.response.body", "body": self._take_held(), "more_body": False})
 
-    def _take_held(self) -> bytes:
-        """What must go out before the next `send`: chunks written and not yet sent (edge.protocol's
-        writers), then bytes the usage filter held back (see proxy.hidden_usage)."""
-        out = self.writer.release() if self.writer is not None else b""
-        hidden = self.hidden
-        if hidden is None:
-            return out
-        out += hidden.rest + hidden.take()
-        hidden.rest = b""
-        return out
-
     def _first_token(self, now: float) -> None:
         record = self.record
         record.first_token_at = record.last_token_at = now
-        metrics = self.proxy.metrics
+        metrics = self.context.metrics
         metrics.first_token(self.request.model, now - record.arrived)
         metrics.endpoint_first_token(record.endpoint, now - record.arrived)
-
-    # -- answering the client ---------------------------------------------------------------------
-
-    def _head(self, status: int, upstream_headers: Headers, content_length: int | None = None) -> Message:
-        """The `http.response.start` message of the client's answer (from now on the response has started)."""
-        request = self.request
-        headers = [(k, v) for k, v in upstream_headers if k.lower() not in _DROPPED_RESPONSE_HEADERS]
-        if content_length is not None:
-            headers.append((b"content-length", str(content_length).encode()))
-        headers.extend(request.response_headers)
-        headers.append((b"x-request-id", request.request_id.encode()))
-        self.record.status = status
-        self.record.started = True
-        return {"type": "http.response.start", "status": status, "headers": headers}
-
-    async def _respond(self, status: int, upstream_headers: Headers, content: bytes) -> None:
-        await self.send(self._head(status, upstream_headers, len(content)))
-        await self.send({"type": "http.response.body", "body": content, "more_body": False})
-
-    async def _on_deadline(self, reason: Reason) -> None:
-        """A deadline passed or the client left (the upstream response is closed already)."""
-        record = self.record
-        if reason == "disconnect":
-            record.status, record.error = CLIENT_CLOSED, "client disconnected"
-            return
-        t = self.proxy.settings.timeouts
-        if self.stalled and record.started:
-            await self._cut_stalled_client(reason, t.idle if reason == "idle" else t.total)
-            return
-        name, limit = {
-            "first_byte": ("first byte", t.first_byte),
-            "idle": ("idle", t.idle),
-            "total": ("total", t.total),
-        }[reason]
-        where = f" {record.engine}" if record.engine else ""
-        exc = UpstreamTimeout(f"Engine{where} exceeded the gateway's {name} timeout of {limit:g} s.")
-        record.error = exc.message
-        log.warning("request %s: %s", record.request_id, exc.message)
-        if not record.started:
-            record.status = exc.status
-            exc.headers.append((b"x-request-id", self.request.request_id.encode()))
-            await send_error(self.send, exc)
-        else:
-            held = self._take_held()
-            event = self.request.endpoint.stream_format.error_event(exc, self.last)
-            await self.send({"type": "http.response.body", "body": held + event, "more_body": False})
-
-    async def _cut_stalled_client(self, reason: Reason, limit: float) -> None:
-        """The deadline passed while the relay waited for the client to take a chunk: the client, not
-        the engine, stopped the stream. Nothing more can reach it (an error event would wait behind
-        the unsent bytes too): its connection is closed at once."""
-        record = self.record
-        record.status = CLIENT_CLOSED
-        if reason == "idle":
-            record.error = (
-                f"{CLIENT_STALLED}: the client took none of the stream for the gateway's idle timeout "
-                f"of {limit:g} s; its connection was closed"
-            )
-        else:
-            record.error = (
-                f"{CLIENT_STALLED}: the gateway's total timeout of {limit:g} s passed while the client "
-                "was not reading; its connection was closed"
-            )
-        log.warning("request %s: %s", record.request_id, record.error)
-        abort_connection(self.send)
-
-    async def _end_stream_on_shutdown(self) -> None:
-        """The server's grace period is over: end a started stream properly instead of cutting it."""
-        record = self.record
-        if record.started and self.request.stream:
-            exc = UpstreamFailed(
-                "The gateway is shutting down; the stream was cut at its grace deadline.", code="gateway_shutdown"
-            )
-            record.error = exc.message
-            try:
-                event = self._take_held() + self.request.endpoint.stream_format.error_event(exc, self.last)
-                await self.send({"type": "http.response.body", "body": event, "more_body": False})
-            except Exception:  # noqa: BLE001 - best effort on the way out
-                pass
-        else:
-            record.status, record.error = record.status or 503, "gateway shutting down"

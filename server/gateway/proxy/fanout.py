@@ -9,7 +9,7 @@ answer:
      "engines": [{"engine": "127.0.0.1:8100", "status": 200, "message": "Success: ..."}]}
 
 otherwise the first failing replica's status, in the OpenAI envelope, naming every replica's
-outcome. Replicas that succeeded route the adapter at once (engines.adapters); the others do
+outcome. Replicas that succeeded route the adapter at once (replicas.adapters); the others do
 not, so a partial load never sends a request to a replica without the adapter. A replica that
 is down counts as failed (it will not have the adapter when it comes back: load it again).
 """
@@ -19,19 +19,16 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import httpx
 
-from server.gateway.edge.requests import GatewayRequest
-from server.gateway.engines import adapters
-from server.gateway.engines.engine import Engine
-from server.gateway.engines.pool import ModelPool
 from server.gateway.errors import GatewayError, engine_error_body
 from server.gateway.jsonio import dumps
-
-if TYPE_CHECKING:
-    from server.gateway.proxy.proxy import Proxy
+from server.gateway.proxy.context import ProxyContext
+from server.gateway.replicas import adapters
+from server.gateway.replicas.engine import Engine
+from server.gateway.replicas.pool import ModelPool
+from server.gateway.request.request import GatewayRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,17 +59,19 @@ def _message(status: int, content: bytes) -> str:
         return content.decode("utf-8", "replace")[:500]
 
 
-async def _one(proxy: Proxy, request: GatewayRequest, engine: Engine, headers: list[tuple[bytes, bytes]]) -> Outcome:
+async def _one(
+    context: ProxyContext, request: GatewayRequest, engine: Engine, headers: list[tuple[bytes, bytes]]
+) -> Outcome:
     if not engine.healthy:
         return Outcome(engine.id, 0, f"engine is down ({engine.last_error or 'failed its health check'})")
     endpoint = request.endpoint
     try:
-        response = await proxy.upstream.post(
-            proxy.target(engine, endpoint.path),
+        response = await context.upstream.post(
+            context.target(engine, endpoint.path),
             headers,
             request.raw,
-            connect_timeout=proxy.connect_timeout,
-            read_timeout=proxy.settings.timeouts.first_byte,
+            connect_timeout=context.connect_timeout,
+            read_timeout=context.settings.timeouts.first_byte,
         )
         try:
             content = await response.aread()
@@ -84,10 +83,10 @@ async def _one(proxy: Proxy, request: GatewayRequest, engine: Engine, headers: l
 
 
 async def fan_out(
-    proxy: Proxy, request: GatewayRequest, pool: ModelPool, headers: list[tuple[bytes, bytes]]
+    context: ProxyContext, request: GatewayRequest, pool: ModelPool, headers: list[tuple[bytes, bytes]]
 ) -> tuple[int, bytes]:
     """Send `request` to every replica of `pool`; (status, JSON body) of the gateway's answer."""
-    outcomes = await asyncio.gather(*(_one(proxy, request, engine, headers) for engine in pool.engines))
+    outcomes = await asyncio.gather(*(_one(context, request, engine, headers) for engine in pool.engines))
     name = request.body.get("lora_name")
     loading = request.endpoint.name == "load_lora_adapter"
     if isinstance(name, str):

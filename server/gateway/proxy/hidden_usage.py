@@ -32,9 +32,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.gateway.edge.requests import GatewayRequest
+from server.gateway.http.sse import MAX_USAGE_BUFFER, USAGE_MARKER, usage_object_follows
 from server.gateway.jsonio import dumps, loads
-from server.gateway.proxy.sse import MAX_USAGE_BUFFER, USAGE_MARKER, usage_object_follows
+from server.gateway.request.request import GatewayRequest
 
 _ASK = b'"stream_options":{"include_usage":true},'
 _FINISHED = b'"finish_reason":"'  # a choice's last chunk: `"finish_reason":null` on the others

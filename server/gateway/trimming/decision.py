@@ -24,8 +24,8 @@ from enum import StrEnum
 from typing import Any
 
 from server.engine.profiles import TrimmingConfig
-from server.gateway.edge.asgi import Headers
 from server.gateway.errors import InvalidRequest
+from server.gateway.http.asgi import Headers
 from server.gateway.trimming.core import Message, TrimResult, trim_messages
 from server.gateway.trimming.watermark import low_mark_tokens, watermark_trim
 

@@ -32,8 +32,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from server.engine.profiles import TrimmingConfig
-from server.gateway.edge.endpoints import Endpoint
-from server.gateway.edge.requests import GatewayRequest
+from server.gateway.request.endpoints import Endpoint
+from server.gateway.request.request import GatewayRequest
 from server.gateway.trimming.core import Message
 from server.gateway.trimming.counter import TokenCounter
 from server.gateway.trimming.decision import (

@@ -13,12 +13,12 @@ from typing import Any, Protocol
 import httpx
 
 from server.engine.profiles import TrimmingConfig
-from server.gateway.engines.pool import ModelPool
+from server.gateway.replicas.pool import ModelPool
 from server.gateway.trimming.core import Message
 
 
 class Pools(Protocol):
-    """The gateway's served models (`server.gateway.engines.pool`), as trimming reads them."""
+    """The gateway's served models (`server.gateway.replicas.pool`), as trimming reads them."""
 
     @property
     def models(self) -> Mapping[str, ModelPool]: ...

@@ -1,6 +1,6 @@
 """The router's part around the trimming step, for tests: body read once, parsed, the step, the engine.
 
-`StepRouter(step, app)` does for one step what `server.gateway.edge.router.Gateway` does for all
+`StepRouter(step, app)` does for one step what `server.gateway.app.router.Gateway` does for all
 of them: a POST to an endpoint of the table is read, parsed into a `GatewayRequest` and passed
 to the step; a `GatewayError` becomes the OpenAI error envelope (with the request's response
 headers); otherwise the request's (possibly replaced) bytes go to `app` and the step's response
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from server.gateway.edge.asgi import ASGIApp, Headers, Message, Receive, Scope, Send, read_body
-from server.gateway.edge.endpoints import BY_PATH
-from server.gateway.edge.requests import GatewayRequest, parse_request
 from server.gateway.errors import GatewayError, send_error
+from server.gateway.http.asgi import ASGIApp, Headers, Message, Receive, Scope, Send, read_body
+from server.gateway.request.endpoints import BY_PATH
+from server.gateway.request.request import GatewayRequest, parse_request
 
 Step = Callable[[GatewayRequest], Awaitable[None]]
 

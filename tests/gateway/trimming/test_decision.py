@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from server.engine.profiles import TrimmingConfig
-from server.gateway.edge.endpoints import BY_NAME
-from server.gateway.edge.requests import GatewayRequest, parse_request
 from server.gateway.errors import InvalidRequest
+from server.gateway.request.endpoints import BY_NAME
+from server.gateway.request.request import GatewayRequest, parse_request
 from server.gateway.trimming.decision import (
     Budget,
     Outcome,

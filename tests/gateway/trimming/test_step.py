@@ -19,9 +19,9 @@ import httpx
 import pytest
 
 from server.engine.profiles import TrimmingConfig
-from server.gateway.edge.endpoints import BY_NAME
-from server.gateway.edge.requests import parse_request
 from server.gateway.observability.metrics import GatewayMetrics
+from server.gateway.request.endpoints import BY_NAME
+from server.gateway.request.request import parse_request
 from server.gateway.trimming.decision import effective_mode
 from server.gateway.trimming.step import HistoryTrimming
 from tests.gateway.trimming.harness import StepRouter

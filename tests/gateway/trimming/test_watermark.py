@@ -157,8 +157,8 @@ def test_a_low_mark_below_the_instructions_keeps_the_newest_turn_only():
 _FRESH = textwrap.dedent("""
     import asyncio, json, sys
     from server.engine.profiles import TrimmingConfig
-    from server.gateway.edge.endpoints import BY_NAME
-    from server.gateway.edge.requests import parse_request
+    from server.gateway.request.endpoints import BY_NAME
+    from server.gateway.request.request import parse_request
     from server.gateway.trimming.step import HistoryTrimming
     from tests.gateway.trimming.test_watermark import Target
 
@@ -196,8 +196,8 @@ class Target:
 async def test_the_same_conversation_gives_the_same_prompt_from_a_fresh_process(histories):
     """A gateway that saw the conversation grow turn by turn (its counter warm) and a fresh
     process that sees only the last turn send the same bytes, on every turn."""
-    from server.gateway.edge.endpoints import BY_NAME
-    from server.gateway.edge.requests import parse_request
+    from server.gateway.request.endpoints import BY_NAME
+    from server.gateway.request.request import parse_request
     from server.gateway.trimming.step import HistoryTrimming
 
     target = Target()

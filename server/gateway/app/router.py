@@ -1,0 +1,217 @@
+"""The gateway's ASGI application: one router owns every endpoint.
+
+    client ─► Gateway: request id, API key, route
+                ├─ endpoints.ENDPOINTS ─► body read once ─► GatewayRequest ─► pool and replica
+                │     (request.targets: model, LoRA adapter, stored response) ─► steps (history
+                │     trimming) ─► Proxy ─► transport ─► engine   (LoRA load/unload: every replica)
+                └─ GET ops.ROUTES ─► /v1/models[/{id}], /health, /ready, /metrics
+Anything else is 404 (unknown path) or 405 (known path, wrong method), in the OpenAI error
+envelope like every other refusal; nothing redirects. Every response carries `x-request-id`.
+An exception nothing else handled becomes one logged line and a 500 envelope, never a traceback.
+Every proxied request is counted and logged once, refusals included: under the served model it
+named (a refusal after its `model` was read, request.targets.served), else under `_unknown`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from time import perf_counter
+
+from server.gateway.app.auth import check_api_key
+from server.gateway.app.ops import OPEN_PATHS, GatewayState, find_route
+from server.gateway.errors import (
+    ClientDisconnected,
+    GatewayError,
+    InternalError,
+    MethodNotAllowed,
+    PermissionDenied,
+    RouteNotFound,
+    send_error,
+)
+from server.gateway.http.asgi import Receive, Scope, Send, read_body, send_bytes
+from server.gateway.observability.record import (
+    CLIENT_CLOSED,
+    RequestRecord,
+    RequestReporter,
+)
+from server.gateway.proxy.proxy import Proxy
+from server.gateway.request.endpoints import BY_PATH, Endpoint, known_path, match
+from server.gateway.request.ids import request_id_from
+from server.gateway.request.request import GatewayRequest, parse_request
+from server.gateway.request.targets import resolve, served
+
+log = logging.getLogger("gateway")
+
+RequestStep = Callable[[GatewayRequest], Awaitable[None]]
+Hook = Callable[[], Awaitable[None]]
+
+
+class Gateway:
+    """The ASGI app `create_app` assembles (see the module doc)."""
+
+    def __init__(
+        self,
+        *,
+        state: GatewayState,
+        proxy: Proxy,
+        reporter: RequestReporter,
+        steps: Sequence[RequestStep] = (),
+        keys: list[bytes] | None = None,
+        protect_ops: bool = False,
+        max_body_bytes: int = 32 * 2**20,
+        endpoints: Mapping[str, Endpoint] = BY_PATH,
+        startup: Hook | None = None,
+        shutdown: Hook | None = None,
+        admin_keys: list[bytes] | None = None,
+        max_upload_bytes: int = 25 * 2**20,
+    ) -> None:
+        self.state = state
+        self.proxy = proxy
+        self.reporter = reporter
+        self.steps = tuple(steps)
+        self.keys = keys or []
+        self.protect_ops = protect_ops
+        self.max_body_bytes = max_body_bytes
+        self.max_upload_bytes = max_upload_bytes  # multipart uploads (audio)
+        self.admin_keys = admin_keys or []  # runtime LoRA load/unload; with none, those are refused
+        self.endpoints = endpoints
+        self.startup = startup
+        self.shutdown = shutdown
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            endpoint = self.endpoints.get(scope["path"])
+            if endpoint is not None and scope["method"] == "POST":
+                await self._proxied(endpoint, scope, receive, send)
+            elif (found := match(scope["path"], scope["method"])) is not None:
+                await self._proxied(found[0], scope, receive, send, found[1])
+            else:
+                await self._other(endpoint, scope, send)
+        elif scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _proxied(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send, param: str = "") -> None:
+        headers = scope["headers"]
+        rid = request_id_from(headers)
+        id_header = [(b"x-request-id", rid.encode())]
+        record = RequestRecord(rid, endpoint.name, perf_counter())
+        try:
+            if endpoint.fan_out:
+                self._check_admin(headers)
+            else:
+                check_api_key(headers, self.keys)
+        except GatewayError as exc:
+            # Counted under no model: the body of a client without a valid key is not read.
+            record.status, record.error = exc.status, exc.message
+            await send_error(send, exc, id_header)
+            self.reporter.finish(record)
+            return
+        request: GatewayRequest | None = None
+        try:
+            limit = self.max_upload_bytes if endpoint.model_from == "form" else self.max_body_bytes
+            raw = await read_body(receive, headers, limit) if endpoint.method == "POST" else b""
+            request = parse_request(
+                raw,
+                endpoint,
+                headers=headers,
+                request_id=rid,
+                path=scope["path"],
+                query=scope.get("query_string", b""),
+                param=param,
+            )
+            pool = resolve(self.state.upstreams, request)
+            self.reporter.open(record, request.model)
+            record.stream = request.stream
+            for step in self.steps:
+                await step(request)
+            if endpoint.fan_out:
+                await self.proxy.broadcast(request, pool, record, send)
+            else:
+                await self.proxy.forward(request, pool, record, receive, send)
+        except ClientDisconnected:
+            record.status, record.error = CLIENT_CLOSED, "client disconnected"
+        except GatewayError as exc:
+            record.error = exc.message
+            self._label(record, exc.model if exc.model is not None else request.model if request else None)
+            if record.started:  # cannot happen by construction; say so loudly rather than hang
+                log.error("request %s: %s after the response started", rid, exc.message)
+            else:
+                record.status = exc.status
+                extra = [*request.response_headers, *id_header] if request is not None else id_header
+                await send_error(send, exc, extra)
+        except Exception:
+            log.exception("unexpected error in request %s (POST %s)", rid, endpoint.path)
+            record.error = "internal error"
+            self._label(record, request.model if request is not None else None)
+            if not record.started:
+                record.status = 500
+                await send_error(
+                    send,
+                    InternalError(f"The gateway failed unexpectedly; its log has the details under request id {rid}."),
+                    id_header,
+                )
+        finally:
+            if request is not None:
+                record.trimmed_messages, record.trimmed_tokens = request.trimmed_messages, request.trimmed_tokens
+            self.reporter.finish(record)
+
+    def _label(self, record: RequestRecord, named: str | None) -> None:
+        """A request refused before routing is counted under the model it named if that one is served
+        (never under a name nobody serves: the label's values stay the served models and `_unknown`)."""
+        if record.model is None and named and served(self.state.upstreams, named):
+            self.reporter.open(record, named)
+
+    def _check_admin(self, headers: list[tuple[bytes, bytes]]) -> None:
+        """Admin endpoints (runtime LoRA): the admin key, and refused outright when none is configured."""
+        if not self.admin_keys:
+            raise PermissionDenied(
+                "Runtime LoRA updates through the gateway are off: give it admin keys "
+                "(auth.admin_keys_env, GATEWAY_ADMIN_KEYS by default)."
+            )
+        check_api_key(headers, self.admin_keys)
+
+    async def _other(self, endpoint: Endpoint | None, scope: Scope, send: Send) -> None:
+        """The GET endpoints, and 404/405 for everything else."""
+        headers = scope["headers"]
+        path, method = scope["path"], scope["method"]
+        id_header = [(b"x-request-id", request_id_from(headers).encode())]
+        try:
+            if method != "OPTIONS" and (self.protect_ops or path not in OPEN_PATHS):
+                check_api_key(headers, self.keys)
+            route = find_route(path)
+            if route is None:
+                if endpoint is not None or known_path(path):
+                    raise MethodNotAllowed("Method not allowed on this endpoint.")
+                raise RouteNotFound(f"No such endpoint: {method} {path[:200]}")
+            if method not in ("GET", "HEAD"):
+                raise MethodNotAllowed("Method not allowed on this endpoint.")
+            answer = await route(self.state, path)
+            await send_bytes(
+                send, answer.status, answer.body if method == "GET" else b"", answer.content_type, id_header
+            )
+        except GatewayError as exc:
+            await send_error(send, exc, id_header)
+        except Exception:
+            log.exception("unexpected error in %s %s", method, path[:200])
+            await send_error(send, InternalError("The gateway failed unexpectedly."), id_header)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    if self.startup is not None:
+                        await self.startup()
+                except Exception as exc:
+                    log.exception("gateway start-up failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                try:
+                    if self.shutdown is not None:
+                        await self.shutdown()
+                finally:
+                    await send({"type": "lifespan.shutdown.complete"})
+                return

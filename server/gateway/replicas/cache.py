@@ -1,0 +1,238 @@
+"""Where each replica's prefix cache is, as routing needs it: a prompt's blocks, and each
+replica's match, from the precise index when every candidate's events are live, else from the
+approximate one.
+
+`PromptView` is one request's prompt, cut into blocks: text blocks always (the approximate
+index), token blocks when the engine's /tokenize gave its token ids (the precise index, in each
+engine's block size). `CacheState` holds the two indexes of the gateway (keyed by engine id, so
+one of each serves every model) and the tokenizer; `candidates` scores nothing, it only says what
+each replica holds of the prompt; `sent` records where the prompt went (the approximate record,
+and the precise index's speculative entries).
+
+Why text for the approximate index: it needs no tokenizer and no extra round trip, so it works in
+front of any engine; the text blocks do not line up with the engine's token blocks, but the
+approximate index only compares prompts with the prompts the gateway itself sent. Why /tokenize
+for the precise one: vLLM's own chat template and tokenizer, exactly what the engine prefills;
+one small request to an engine per routed request, only while precise routing can use it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from server.gateway.replicas.approximate import ApproximateIndex
+from server.gateway.replicas.blocks import (
+    BlockKey,
+    prompt_text,
+    text_blocks,
+    token_blocks,
+)
+from server.gateway.replicas.engine import Engine
+from server.gateway.replicas.precise import PreciseIndex
+from server.gateway.replicas.scoring import Candidate
+
+log = logging.getLogger("gateway.routing")
+
+# Characters per token assumed when sizing an approximate record from an engine's cache in tokens,
+# until the engine's own counters say better: high for most tokenizers, so the record holds at least
+# what the engine can. Learned per engine (`_CharsPerToken`) between 1 and this.
+CHARS_PER_TOKEN = 4
+LEARN_AFTER_TOKENS = 4096  # prompt tokens an engine must count before a ratio is learned from them
+DEFAULT_BLOCK_SIZE = 16  # vLLM's default on GPU, when neither events, metrics nor profile say
+
+
+@dataclass
+class PromptView:
+    """One request's prompt, cut into blocks for the prefix indexes."""
+
+    text_keys: list[BlockKey]
+    chars: int = 0  # the prompt text's length (what the text blocks cover)
+    tokens: list[int] | None = None  # the engine's token ids, when /tokenize answered
+    namespace: str = ""  # the LoRA adapter it runs with ("" for the base model)
+    _token_keys: dict[int, list[BlockKey]] = field(default_factory=dict, repr=False)
+
+    def token_keys(self, block_size: int) -> list[BlockKey]:
+        keys = self._token_keys.get(block_size)
+        if keys is None:
+            keys = self._token_keys[block_size] = token_blocks(self.tokens or (), block_size, namespace=self.namespace)
+        return keys
+
+
+# tokenize(model, engine, body) -> the prompt's token ids, or None.
+Tokenize = Callable[[str, Engine, Mapping[str, Any]], Awaitable[list[int] | None]]
+
+
+def tokenize_request(model: str, body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The /tokenize body that yields the token ids the engine will prefill for `body`."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        request: dict[str, Any] = {
+            "model": model,
+            "messages": messages,
+            "add_generation_prompt": body.get("add_generation_prompt", True),
+        }
+        for key in ("tools", "continue_final_message", "chat_template_kwargs"):
+            if body.get(key) is not None:
+                request[key] = body[key]
+        return request
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return {"model": model, "prompt": prompt}
+    return None
+
+
+class EngineTokenizer:
+    """Token ids from an engine's /tokenize; None on any failure (routing then goes approximate)."""
+
+    def __init__(self, client: httpx.AsyncClient, timeout: float) -> None:
+        self.client = client
+        self.timeout = httpx.Timeout(timeout)
+
+    async def __call__(self, model: str, engine: Engine, body: Mapping[str, Any]) -> list[int] | None:
+        request = tokenize_request(model, body)
+        if request is None:
+            return None
+        try:
+            response = await self.client.post(f"{engine.url}/tokenize", json=request, timeout=self.timeout)
+            response.raise_for_status()
+            tokens = response.json().get("tokens")
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            log.info("engine %s: /tokenize for routing failed (%r); approximate routing", engine.id, exc)
+            return None
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            return None
+        return tokens
+
+
+class CacheState:
+    """The gateway's two prefix indexes, and how a prompt is read and matched against them."""
+
+    def __init__(
+        self,
+        *,
+        approximate: ApproximateIndex | None = None,
+        precise: PreciseIndex | None = None,
+        tokenize: Tokenize | None = None,
+        block_chars: int = 256,
+    ) -> None:
+        self.approximate = approximate if approximate is not None else ApproximateIndex()
+        self.precise = precise if precise is not None else PreciseIndex()
+        self.tokenize = tokenize
+        self.block_chars = block_chars
+        self._capacity: dict[str, tuple[float, float]] = {}  # engine id -> (KV tokens, chars per token) sized for
+        self._ratios: dict[str, _CharsPerToken] = {}
+
+    def precise_ready(self, engines: Sequence[Engine]) -> bool:
+        """Every one of `engines` has live KV events."""
+        return bool(engines) and all(self.precise.is_live(e.id) for e in engines)
+
+    async def read(
+        self,
+        model: str,
+        body: Mapping[str, Any],
+        engines: Sequence[Engine],
+        *,
+        precise: bool,
+        adapter: str | None = None,
+    ) -> PromptView | None:
+        """`body`'s prompt in blocks; tokenized by one of `engines` when precise routing can use it."""
+        text = prompt_text(body)
+        if text is None:
+            return None
+        namespace = adapter or ""
+        view = PromptView(text_blocks(text, self.block_chars, namespace=namespace), len(text), namespace=namespace)
+        live = [e for e in engines if e.healthy]
+        if precise and self.tokenize is not None and len(live) > 1 and self.precise_ready(live):
+            view.tokens = await self.tokenize(model, min(live, key=lambda e: e.outstanding), body)
+        return view
+
+    def block_size(self, engine: Engine, configured: int | None) -> int:
+        """The engine's KV block size: from its events, its metrics, its profile, or vLLM's default."""
+        return self.precise.block_size(engine.id) or engine.metrics.block_size or configured or DEFAULT_BLOCK_SIZE
+
+    def candidates(
+        self,
+        engines: Sequence[Engine],
+        prompt: PromptView | None,
+        now: float,
+        *,
+        precise: bool,
+        configured_block_size: int | None = None,
+    ) -> tuple[str, int, list[Candidate]]:
+        """(source, prompt blocks, one candidate per engine) for scoring."""
+        if prompt is None:
+            return "none", 0, [Candidate(e) for e in engines]
+        if precise and prompt.tokens is not None and self.precise_ready(engines):
+            out = []
+            blocks = 0
+            for engine in engines:
+                keys = prompt.token_keys(self.block_size(engine, configured_block_size))
+                blocks = max(blocks, len(keys))
+                out.append(Candidate(engine, self.precise.matched(engine.id, keys, now), self.precise.held(engine.id)))
+            return "precise", blocks, out
+        keys = prompt.text_keys
+        return (
+            "approximate",
+            len(keys),
+            [Candidate(e, self.approximate.matched(e.id, keys, now), self.approximate.held(e.id)) for e in engines],
+        )
+
+    def sent(
+        self, engine: Engine, prompt: PromptView | None, now: float, *, configured_block_size: int | None = None
+    ) -> None:
+        """`prompt` was routed to `engine`: the approximate record, and speculative precise entries."""
+        if prompt is None:
+            return
+        self._ratio(engine).chars += prompt.chars
+        self._size_record(engine)
+        self.approximate.record(engine.id, prompt.text_keys, now)
+        if prompt.tokens is not None:
+            self.precise.speculate(engine.id, prompt.token_keys(self.block_size(engine, configured_block_size)), now)
+
+    def _ratio(self, engine: Engine) -> _CharsPerToken:
+        ratio = self._ratios.get(engine.id)
+        if ratio is None:
+            ratio = self._ratios[engine.id] = _CharsPerToken()
+        return ratio
+
+    def _size_record(self, engine: Engine) -> None:
+        """The approximate record holds about what the engine's KV cache does: its capacity in
+        tokens, in characters at the engine's learned characters per token, in text blocks."""
+        tokens = engine.metrics.kv_capacity_tokens or engine.planned_kv_tokens
+        ratio = self._ratio(engine).learn(engine.metrics.prefix_queries_tokens)
+        if tokens and self._capacity.get(engine.id) != (tokens, ratio):
+            self._capacity[engine.id] = (tokens, ratio)
+            self.approximate.set_capacity(engine.id, int(tokens * ratio / self.block_chars))
+
+
+@dataclass
+class _CharsPerToken:
+    """One engine's characters per prompt token, from the prompt text routed to it and the prompt
+    tokens its prefix cache was asked about (`vllm:prefix_cache_queries`, scraped).
+
+    The tiny model's tokenizer makes about 1.9 characters a token: sized at 4, the approximate
+    record remembered twice what the engine's cache holds and kept routing to blocks long evicted.
+    Tokens the engine counts for prompts this process did not route (other gateway workers or
+    clients) lower the ratio, so the record errs small: it is kept between 1 and CHARS_PER_TOKEN.
+    """
+
+    value: float = CHARS_PER_TOKEN
+    chars: int = 0  # prompt characters routed to the engine since `since` was read
+    since: float | None = None  # the engine's counter when `chars` started
+
+    def learn(self, counted: float | None) -> float:
+        if counted is None:
+            return self.value
+        if self.since is None or counted < self.since:  # the first reading, or the engine restarted
+            self.since, self.chars = counted, 0
+            return self.value
+        grown = counted - self.since
+        if grown >= LEARN_AFTER_TOKENS and self.chars:
+            self.value = min(CHARS_PER_TOKEN, max(1.0, self.chars / grown))
+            self.since, self.chars = counted, 0
+        return self.value

@@ -12,7 +12,7 @@ CONFIG ?= configs/gateway.yaml
 PROFILE ?= configs/profiles/tiny-cpu.yaml
 PYTEST_ARGS ?=
 
-.PHONY: help install run engine tiny-model lint format test test-fast test-busy bench loadtest routing-experiment up down up-cpu down-cpu compose compose-cpu compose-dns dclint helm-values prometheus clean
+.PHONY: help install run engine tiny-model lint format docs test test-fast test-busy bench loadtest routing-experiment up down up-cpu down-cpu compose compose-cpu compose-dns dclint helm-values prometheus clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -78,7 +78,11 @@ format: install ## Apply ruff's formatting and safe fixes
 	$(BIN)/ruff format $(LINTED)
 	$(BIN)/ruff check --fix $(LINTED)
 
-test: install prometheus lint $(DCLINT_STAMP) ## Lint and type check, then the whole test suite (starts one real vLLM engine)
+# The docs site (mkdocs.yml, docs/): --strict turns a missing page, file or anchor into a failure.
+docs: install ## Build the docs site with mkdocs --strict into .cache/site (a broken link or anchor fails)
+	$(BIN)/mkdocs build --strict --site-dir .cache/site
+
+test: install prometheus lint docs $(DCLINT_STAMP) ## Lint and type check, build the docs, then the whole test suite (starts one real vLLM engine)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: install $(DCLINT_STAMP) ## Tests that need no real engine and no Prometheus
@@ -99,8 +103,8 @@ bench: install ## Gateway (1 and 2 workers) vs direct vs vllm-router on a stand-
 loadtest: install ## Run the itinerary scenario against `make run`'s gateway
 	$(BIN)/python -m loadtest --url http://127.0.0.1:8000 --model tiny --scenario itinerary --record-header x-trim-status --output loadtest/out
 
-routing-experiment: install ## Cache-aware routing vs round robin, today's policy and an oracle on two tiny replicas (~35 min on 2 cores); writes loadtest/results/cache-aware-routing/
-	$(BIN)/python -m bench.routing_experiment --rounds 2 --weights balance=0 --weights balance=1 --output loadtest/results/cache-aware-routing/b-8-requests-per-tenant
+routing-experiment: install ## The headline routing run's configuration (run f: two rounds, replicas pinned to a core each; ~35 min on 2 cores) into a new folder of loadtest/results/cache-aware-routing/
+	$(BIN)/python -m bench.routing_experiment --rounds 2 --pin-engines
 
 compose: $(LIGHT_STAMP) ## Regenerate docker/compose.yaml + prometheus.yml from configs/gateway.gpu.yaml
 	$(BIN)/python -m server compose --config configs/gateway.gpu.yaml --output docker/compose.yaml

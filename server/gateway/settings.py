@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from server.config import ModelEngines, SettingsError, describe, read_mapping
 
@@ -113,6 +113,19 @@ class Limits(_Strict):
     header_timeout: float = Field(default=10.0, gt=0)  # seconds for a request's headers to arrive
     body_timeout: float = Field(default=60.0, gt=0)  # seconds for its body, after the headers
     max_client_connections: int = Field(default=4096, ge=1)  # open client connections at once
+    # `--workers N`: a worker that dies is replaced (server.gateway.serving.supervisor) after
+    # worker_restart_backoff seconds, doubled for each death of that worker in the last minute up
+    # to worker_restart_backoff_max. More than worker_restarts_per_minute restarts (all workers
+    # together) in the last 60 s: the supervisor stops the others and exits 1 (0: never restart).
+    worker_restarts_per_minute: int = Field(default=10, ge=0)
+    worker_restart_backoff: float = Field(default=0.5, ge=0)
+    worker_restart_backoff_max: float = Field(default=10.0, ge=0)
+
+    @model_validator(mode="after")
+    def _backoff_within_its_cap(self) -> Limits:
+        if self.worker_restart_backoff > self.worker_restart_backoff_max:
+            raise ValueError("worker_restart_backoff must not be above worker_restart_backoff_max")
+        return self
 
 
 class GatewaySettings(_Strict):

@@ -1,4 +1,4 @@
-"""Optional reads of a vLLM `/metrics` endpoint while the load runs (`--metrics-url`).
+"""Optional reads of a vLLM `/metrics` endpoint (or the gateway's) while the load runs (`--metrics-url`).
 
 The load tester stays an outside client; this only reads what the engine publishes. While a run
 is in progress the endpoint is sampled every `interval_s` (and once more when a request's first
@@ -22,13 +22,24 @@ import httpx
 
 GAUGES = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
 COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total")
+# The gateway re-exports the same engine figures under its own names (one series per engine), so
+# `--metrics-url` may be the gateway's /metrics as well as an engine's.
+GATEWAY_NAMES = {
+    "gateway_engine_kv_cache_usage_ratio": "vllm:kv_cache_usage_perc",
+    "gateway_engine_requests_running": "vllm:num_requests_running",
+    "gateway_engine_requests_waiting": "vllm:num_requests_waiting",
+    "gateway_engine_prefix_cache_queries_total": "vllm:prefix_cache_queries_total",
+    "gateway_engine_prefix_cache_hits_total": "vllm:prefix_cache_hits_total",
+    "gateway_engine_preemptions_total": "vllm:num_preemptions_total",
+}
 
 
 def parse_metrics(text: str, names: tuple[str, ...] = GAUGES + COUNTERS) -> dict[str, float]:
     """Values of `names` in Prometheus text format, summed over label sets.
 
     `vllm:kv_cache_usage_perc` is a ratio, so it takes the maximum over label sets instead.
-    Names missing from the text are missing from the result.
+    Names missing from the text are missing from the result. The gateway's `gateway_engine_*`
+    re-exports count as the vLLM names they come from (`GATEWAY_NAMES`).
     """
     wanted = set(names)
     values: dict[str, float] = {}
@@ -37,6 +48,7 @@ def parse_metrics(text: str, names: tuple[str, ...] = GAUGES + COUNTERS) -> dict
             continue
         name_part, _, rest = line.partition(" ")
         name = name_part.split("{", 1)[0]
+        name = GATEWAY_NAMES.get(name, name)
         if name not in wanted:
             continue
         if "{" in name_part and "}" not in name_part:

@@ -2,9 +2,13 @@
 
 - `ttft.png`, `itl.png`: the distribution of each run's TTFT / ITL (histogram and CDF);
 - `latency_over_time.png`: TTFT and E2E latency of every request against its send time,
-  failures marked, so a run that degrades over time (or a warm-up) is visible;
+  failures marked, so a run that degrades over time (or a warm-up) is visible, and the engines'
+  KV-cache usage (0..1) when `--metrics-url` was sampled;
 - `turns.png` (multi-turn runs): per turn, median TTFT, prompt and cached prompt tokens (the
-  server's `usage`), errors and KV-cache usage.
+  server's `usage`), failed requests and KV-cache usage (a ratio, 0..1).
+
+A panel without data (no engine metrics sampled, no failed request) is left out, and
+`left_out()` says which and why, for the report.
 """
 
 from __future__ import annotations
@@ -65,13 +69,14 @@ def write_plots(results: Sequence[RunResult], directory: Path) -> list[str]:
     _distribution(plt, itl, "ITL (gaps between token chunks)", directory / "itl.png")
     written.append("itl.png")
 
-    sampled = [r for r in results if r.engine.get("samples")]
+    sampled = [r for r in results if kv_samples(r)]
     fig, axes = plt.subplots(3 if sampled else 2, 1, figsize=(11, 8 if sampled else 6), sharex=True)
     for result in sampled:
-        samples = [s for s in result.engine["samples"] if s[1] is not None]
-        axes[2].plot([s[0] for s in samples], [s[1] * 100 for s in samples], "-", label=_name(result))
+        samples = kv_samples(result)
+        axes[2].plot([t for t, _ in samples], [v for _, v in samples], "-", label=_name(result))
     if sampled:
-        axes[2].set_ylabel("KV-cache usage (%)")
+        axes[2].set_ylabel("KV-cache usage (0..1)")
+        axes[2].set_ylim(0, 1)
     for result in results:
         ok = [x for x in result.measured if x.ok]
         failed = [x for x in result.measured if not x.ok]
@@ -99,10 +104,15 @@ def write_plots(results: Sequence[RunResult], directory: Path) -> list[str]:
     plt.close(fig)
     written.append("latency_over_time.png")
 
-    if any(x.turn > 0 for r in results for x in r.records):
-        fig, axes = plt.subplots(4, 1, figsize=(11, 10), sharex=True)
-        for result in results:
-            rows = per_turn(result.measured)
+    if multi_turn(results):
+        per_run = [(result, per_turn(result.measured)) for result in results]
+        errors = any(row["errors"] for _, rows in per_run for row in rows)
+        kv = any(_known(row["max_kv_cache_usage"]) for _, rows in per_run for row in rows)
+        panels = 2 + errors + kv
+        fig, axes = plt.subplots(panels, 1, figsize=(11, 2.5 * panels), sharex=True)
+        error_axis = axes[2] if errors else None
+        kv_axis = axes[-1] if kv else None
+        for result, rows in per_run:
             turns = [row["turn"] + 1 for row in rows]
             line = axes[0].plot(turns, [row["median_ttft_ms"] for row in rows], "o-", label=_name(result))[0]
             axes[1].plot(
@@ -120,13 +130,19 @@ def write_plots(results: Sequence[RunResult], directory: Path) -> list[str]:
                     color=line.get_color(),
                     label=f"{_name(result)}: cached",
                 )
-            axes[2].plot(turns, [row["errors"] for row in rows], "o-", label=_name(result))
-            axes[3].plot(turns, [row["max_kv_cache_usage"] * 100 for row in rows], "o-", label=_name(result))
+            if error_axis is not None:
+                error_axis.plot(turns, [row["errors"] for row in rows], "o-", label=_name(result))
+            if kv_axis is not None:
+                kv_axis.plot(turns, [row["max_kv_cache_usage"] for row in rows], "o-", label=_name(result))
         axes[0].set_ylabel("median TTFT (ms)")
         axes[1].set_ylabel("prompt tokens (sum)")
-        axes[2].set_ylabel("errors")
-        axes[3].set_ylabel("KV-cache usage (%)")
-        axes[3].set_xlabel("turn")
+        if error_axis is not None:
+            error_axis.set_ylabel("failed requests")
+            error_axis.set_ylim(bottom=0)
+        if kv_axis is not None:
+            kv_axis.set_ylabel("max KV-cache usage (0..1)")
+            kv_axis.set_ylim(0, 1)
+        axes[-1].set_xlabel("turn")
         axes[0].set_title("Per turn of the conversations")
         for axis in axes:
             axis.grid(alpha=0.3)
@@ -136,3 +152,33 @@ def write_plots(results: Sequence[RunResult], directory: Path) -> list[str]:
         plt.close(fig)
         written.append("turns.png")
     return written
+
+
+def _known(value: float) -> bool:
+    return value == value  # not NaN
+
+
+def multi_turn(results: Sequence[RunResult]) -> bool:
+    return any(x.turn > 0 for r in results for x in r.records)
+
+
+def kv_samples(result: RunResult) -> list[tuple[float, float]]:
+    """(run time, KV-cache usage 0..1) of every engine sample that carried the usage."""
+    return [(s[0], s[1]) for s in result.engine.get("samples", []) if s[1] is not None]
+
+
+def left_out(results: Sequence[RunResult]) -> list[str]:
+    """The panels this run's plots leave out for want of data, each with the reason (for report.md)."""
+    out = []
+    if not any(kv_samples(r) for r in results):
+        out.append(
+            "KV-cache usage: no engine metrics were sampled (give `--metrics-url`, the gateway's "
+            "`http://HOST:PORT/metrics` or an engine's)"
+        )
+    if multi_turn(results):
+        rows = [row for r in results for row in per_turn(r.measured)]
+        if not any(row["errors"] for row in rows):
+            out.append("failed requests per turn: none failed")
+        if any(kv_samples(r) for r in results) and not any(_known(row["max_kv_cache_usage"]) for row in rows):
+            out.append("KV-cache usage per turn: no sample fell inside a request (try a shorter `--metrics-interval`)")
+    return out

@@ -144,9 +144,15 @@ TABLE_ROWS = (
 
 
 def markdown(
-    outcomes: Sequence[RunOutcome], comparisons: Sequence[Comparison], config: dict, plots: Sequence[str]
+    outcomes: Sequence[RunOutcome],
+    comparisons: Sequence[Comparison],
+    config: dict,
+    plots: Sequence[str],
+    *,
+    left_out: Sequence[str] = (),
 ) -> str:
-    """The human report: what ran, the headline table, comparisons, errors, turns, plots."""
+    """The human report: what ran, the headline table, comparisons, errors, turns, plots (and the
+    panels the plots left out for want of data, `left_out`, each with its reason)."""
     lines = ["# Load test report", ""]
     lines += [
         f"- command: `{config.get('command', '')}`",
@@ -166,8 +172,8 @@ def markdown(
                 lines.append(f"- {outcome.result.target}: {outcome.result.run}: {warning}")
         lines += [
             "",
-            "Its figures for these runs include its own delays; see README "
-            '"Load testing" for the rates and concurrencies it times exactly.',
+            "Its figures for these runs include its own delays; see docs/benchmarks/load-tester.md "
+            '("Its own overhead, measured") for the rates and concurrencies it times exactly.',
             "",
         ]
 
@@ -261,13 +267,14 @@ def markdown(
 
     multi = [o for o in outcomes if len(o.turns) > 1]
     if multi:
+        kv_known = any(row["max_kv_cache_usage"] == row["max_kv_cache_usage"] for o in multi for row in o.turns)
         lines += ["## Per turn", ""]
         lines.append(
             "| run | turn | requests | errors | trimmed | median TTFT (ms) | median "
             "prompt tokens | prompt tokens | cached tokens | cached share | median "
-            "prompt chars | max KV-cache usage (%) |"
+            "prompt chars |" + (" max KV-cache usage (0..1) |" if kv_known else "")
         )
-        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if kv_known else ""))
         for outcome in multi:
             for row in outcome.turns:
                 kv = row["max_kv_cache_usage"]
@@ -279,8 +286,7 @@ def markdown(
                     f"{row['prompt_tokens']} | "
                     f"{row['total_cached_tokens'] if row['cached_tokens_reported'] else '-'} | "
                     f"{_fmt(row['cached_token_ratio'], 3)} | "
-                    f"{_fmt(row['median_prompt_chars'], 0)} | "
-                    f"{_fmt(kv * 100 if kv == kv else None, 2)} |"
+                    f"{_fmt(row['median_prompt_chars'], 0)} |" + (f" {_fmt(kv, 3)} |" if kv_known else "")
                 )
         lines += [
             "",
@@ -290,7 +296,13 @@ def markdown(
             "`-` when the server did not), and cached share = cached / prompt tokens; "
             "prompt chars are what the client sent; `trimmed` "
             "counts responses with `x-trim-status: trimmed` (with `--record-header "
-            "x-trim-status`).",
+            "x-trim-status`)."
+            + (
+                " Max KV-cache usage is the highest engine-wide share of KV blocks in use (0..1) sampled "
+                "while the turn's requests were in flight (`--metrics-url`)."
+                if kv_known
+                else " No KV-cache usage was sampled during a request, so that column is left out."
+            ),
         ]
         lines.append("")
 
@@ -298,6 +310,10 @@ def markdown(
         lines += ["## Plots", ""]
         lines += [f"![{name}]({name})" for name in plots]
         lines.append("")
+        if left_out:
+            lines += ["Left out of the plots, for want of data:", ""]
+            lines += [f"- {reason}" for reason in left_out]
+            lines.append("")
 
     lines += [
         "## Definitions",
@@ -338,9 +354,12 @@ def write_outputs(
     }
     (directory / "summary.json").write_text(json.dumps(document, indent=2) + "\n")
     names: list[str] = []
+    omitted: list[str] = []
     if plots:
-        from loadtest.plots import write_plots
+        from loadtest.plots import left_out, write_plots
 
-        names = write_plots([o.result for o in outcomes], directory)
-    (directory / "report.md").write_text(markdown(outcomes, comparisons, config, names))
+        results = [o.result for o in outcomes]
+        names = write_plots(results, directory)
+        omitted = left_out(results)
+    (directory / "report.md").write_text(markdown(outcomes, comparisons, config, names, left_out=omitted))
     return document

@@ -100,8 +100,8 @@ bench: install ## Gateway (1 and 2 workers) vs direct vs vllm-router on a stand-
 	$(BIN)/python -m bench.workers_bench --output docs/bench
 	$(BIN)/python -m bench.answer_length --output docs/bench
 
-loadtest: install ## Run the itinerary scenario against `make run`'s gateway
-	$(BIN)/python -m loadtest --url http://127.0.0.1:8000 --model tiny --scenario itinerary --record-header x-trim-status --output loadtest/out
+loadtest: install ## Run the itinerary scenario against `make run`'s gateway (its /metrics sampled for KV-cache usage)
+	$(BIN)/python -m loadtest --url http://127.0.0.1:8000 --model tiny --scenario itinerary --record-header x-trim-status --metrics-url http://127.0.0.1:8000/metrics --output loadtest/out
 
 routing-experiment: install ## The headline routing run's configuration (run f: two rounds, replicas pinned to a core each; ~35 min on 2 cores) into a new folder of loadtest/results/cache-aware-routing/
 	$(BIN)/python -m bench.routing_experiment --rounds 2 --pin-engines

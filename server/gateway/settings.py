@@ -147,6 +147,9 @@ class GatewaySettings(_Strict):
     # One JSON line per request on `gateway.access` (observability.logs). False: none; the request
     # metrics and the error and warning lines stay (vLLM's --disable-log-requests, nginx's access_log off).
     access_log: bool = True
+    # `module:function`s called with the FastAPI app once it is assembled: users' own routes,
+    # dependencies and middleware (server.gateway.app.hooks). `serve --app-hook` adds to them.
+    app_hooks: list[str] = Field(default_factory=list)
 
     source: Path | None = Field(default=None, exclude=True)
 

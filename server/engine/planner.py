@@ -39,6 +39,9 @@ DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
 GPU_OVERHEAD_BYTES = int(1.5 * GiB)
 # vLLM's DeepSeek fp8 MLA cache: the 512 latent dims in fp8, the 64 rope dims in 16-bit, scales.
 FP8_DS_MLA_BYTES_PER_LAYER = 656
+# Every n-th layer global, the rest sliding, for configs that list no `layer_types` (their
+# Transformers config classes fill it in so): Gemma-2 alternates, Gemma-3 keeps one in six.
+DEFAULT_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
 
 
 class PlanError(ValueError):
@@ -70,7 +73,10 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def model_dtype(config: dict[str, Any]) -> str:
-    return str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    """The dtype vLLM runs a checkpoint in with `dtype: auto`: its config's, but a float32
+    checkpoint (Gemma-2's) is run in bfloat16, as vLLM downcasts it."""
+    name = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    return "bfloat16" if name in ("float32", "float") else name
 
 
 def dtype_bytes(kv_cache_dtype: str, model_dtype_name: str) -> int:
@@ -149,7 +155,7 @@ def sliding_flags(cfg: dict[str, Any], layers: int) -> tuple[int | None, tuple[b
             raise PlanError(f"config.json: layer_types lists {len(types)} layers, num_hidden_layers is {layers}")
         flags = tuple("sliding" in str(kind) for kind in types)
         return (int(window), flags) if any(flags) else (None, none)
-    pattern = cfg.get("sliding_window_pattern")
+    pattern = cfg.get("sliding_window_pattern") or DEFAULT_SLIDING_PATTERN.get(str(cfg.get("model_type")))
     if isinstance(pattern, int) and pattern > 1:
         return int(window), tuple((i + 1) % pattern != 0 for i in range(layers))
     return int(window), (True,) * layers

@@ -43,6 +43,7 @@ class ModelShape:
     moe_intermediate: int
     shared_intermediate: int
     moe_layers: tuple[bool, ...]
+    qk_norm: int = 0  # per-head RMS norms of q and k (Qwen3): 2 x head_dim a layer
 
     @property
     def mla(self) -> bool:
@@ -90,6 +91,7 @@ def model_shape(cfg: dict[str, Any]) -> ModelShape:
         moe_intermediate=moe_inter,
         shared_intermediate=shared,
         moe_layers=moe,
+        qk_norm=2 * (_int(cfg, "head_dim") or hidden // heads) if str(cfg.get("model_type")).startswith("qwen3") else 0,
     )
 
 
@@ -163,7 +165,7 @@ def stage_weight_bytes(s: ModelShape, layout: Layout, w: WeightCounter, stage: i
     total = 0
     for i in range(start, end):
         prefix = f"model.layers.{i}"
-        total += w.plain(2 * s.hidden)  # input and post-attention norms
+        total += w.plain(2 * s.hidden + s.qk_norm)  # input and post-attention norms (and Qwen3's q/k norms)
         total += attention_bytes(s, layout, w, f"{prefix}.self_attn")
         if s.moe_layers[i]:
             total += moe_bytes(s, layout, w, f"{prefix}.mlp")
@@ -185,6 +187,6 @@ def parameter_count(s: ModelShape) -> int:
     counter = WeightCounter(WeightFormat(method="none"), 1)
     one = Layout()
     for i in range(s.layers):
-        count += 2 * s.hidden + attention_bytes(s, one, counter, "a")
+        count += 2 * s.hidden + s.qk_norm + attention_bytes(s, one, counter, "a")
         count += moe_bytes(s, one, counter, "m") if s.moe_layers[i] else 3 * s.hidden * s.intermediate
     return count + s.vocab * s.hidden * (1 if s.tied else 2) + s.hidden

@@ -3,7 +3,7 @@
 A proxy pays some of its work once per request (reading, checking and routing the request, the
 response head, the end of the stream, the access log and the request's metrics) and the rest once
 per streamed chunk (a read from the engine, a write to the client, the token and usage scans), so
-its CPU per chunk depends on how long the answers are. One stand-in engine (tests/standin.py: 20
+its CPU per chunk depends on how long the answers are. One stand-in engine (standin/: 20
 ms to the first token, then 10 ms per token) answers `max_tokens` tokens: 8, 32, 96 and 320 (an
 answer's chunks: its tokens, the role, the finish reason with the usage, and `[DONE]`). 64 streams
 run through each proxy, pinned to core 1 (the engine and the load generator on core 0), in

@@ -134,11 +134,11 @@ def loadgen_argv(
 
 
 def start_standin(procs: Processes, *, core: int | None, tokens: int | None = None) -> tuple[Started, str]:
-    """The benches' stand-in engine (tests/standin.py, STANDIN_TIMING, or `tokens` per answer): its
+    """The benches' stand-in engine (standin/, STANDIN_TIMING, or `tokens` per answer): its
     process and its URL."""
     port = free_port()
     timing = {**STANDIN_TIMING, **({"tokens": tokens} if tokens else {})}
-    argv = [PYTHON, "-m", "tests.standin", "--port", str(port), "--model", STANDIN_MODEL,
+    argv = [PYTHON, "-m", "standin", "--port", str(port), "--model", STANDIN_MODEL,
             "--ttft-ms", str(timing["ttft_ms"]), "--itl-ms", str(timing["itl_ms"]),
             "--tokens", str(timing["tokens"]), "--max-model-len", "32768"]  # fmt: skip
     return procs.start("standin", argv, core=core), f"http://127.0.0.1:{port}"

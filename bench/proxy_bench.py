@@ -1,6 +1,6 @@
 """`make bench`: our gateway against direct access and vLLM's Rust router, on one stand-in engine.
 
-One run measures three paths to one stand-in engine (tests/standin.py; 20 ms to the first token,
+One run measures three paths to one stand-in engine (standin/; 20 ms to the first token,
 then 10 ms per token, 32 tokens): `direct`, `gateway` (`python -m server serve --upstream ...`)
 and `vllm-router` (PyPI `vllm-router`, round robin). The stand-in engine, this tool and the load
 generator (bench/loadgen.py, its own process) run on core 0; every proxy runs on core 1
@@ -317,7 +317,7 @@ def render_markdown(report: dict, trim: dict | None) -> str:
 
 
 METHOD = (
-    "One stand-in engine (tests/standin.py under uvicorn + uvloop + httptools: 20 ms to the first "
+    "One stand-in engine (standin/ under uvicorn + uvloop + httptools: 20 ms to the first "
     "token, then 10 ms per token, 32 tokens, so 34 SSE chunks per answer with the role chunk and the "
     "usage chunk) on core 0, with this tool and the load generator (bench/loadgen.py: one "
     "process, a raw asyncio HTTP/1.1 client on uvloop that only de-chunks and counts SSE events, one "

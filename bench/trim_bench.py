@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         engine = procs.start(
             "standin",
-            [PYTHON, "-m", "tests.standin", "--port", str(port), "--model", MODEL, "--max-model-len", "32768"],
+            [PYTHON, "-m", "standin", "--port", str(port), "--model", MODEL, "--max-model-len", "32768"],
             core=CLIENT_CORE,
         )
         engine_url = f"http://127.0.0.1:{port}"

@@ -1,6 +1,6 @@
 """`make bench`, second part: the gateway's ceiling with one and two worker processes, beside vllm-router.
 
-One stand-in engine (tests/standin.py: 20 ms to the first token, then 10 ms per token, 32 tokens,
+One stand-in engine (standin/: 20 ms to the first token, then 10 ms per token, 32 tokens,
 34 SSE chunks per answer) and four ways to reach it, all running for the whole run:
 
 - `direct`: no proxy (the baseline of added time to first token);

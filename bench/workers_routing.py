@@ -72,7 +72,7 @@ def run_once(workers: int, session: bool) -> dict:
             port = free_port()
             started = procs.start(
                 f"standin-{n}",
-                [PYTHON, "-m", "tests.standin", "--port", str(port), "--model", MODEL, "--ttft-ms", "5",
+                [PYTHON, "-m", "standin", "--port", str(port), "--model", MODEL, "--ttft-ms", "5",
                  "--itl-ms", "2", "--tokens", "8", "--max-model-len", "32768"],
                 core=None,
             )  # fmt: skip

@@ -1,7 +1,7 @@
 """The load tester's own added time: its timings joined with the engine's, request by request.
 
 A server that records, per request id, when it received the request and when it wrote the first
-and last token (the stand-in's `GET /_standin/timings`, see `tests/standin.py`) lets the load
+and last token (the stand-in's `GET /_standin/timings`, see `standin/`) lets the load
 tester measure itself: for the same request,
 
 - `added TTFT` = the load tester's TTFT - the engine-side TTFT (first token written - request

@@ -1,7 +1,7 @@
 """Measures the load tester itself against a stand-in engine: `python -m loadtest.selfcheck`.
 
 For each closed-loop concurrency it runs short single-turn streams against a server with
-`/_standin/timings` (`python -m tests.standin`), joins every request with the engine's own
+`/_standin/timings` (`python -m standin`), joins every request with the engine's own
 timings (`loadtest.overhead`) and reports the load tester's added TTFT (p50, p99); for each
 open-loop rate (constant arrivals) it reports the achieved send rate against the target.
 Every level runs every client configuration back to back (`--http-client raw,httpx` x
@@ -14,7 +14,7 @@ so before/after runs accumulate) and `DIR/overhead.md` (the table over every lab
 Pin the two processes to different cores so that they do not measure each other (and, on a
 shared machine, see loadtest/results/client-overhead/bench.sh for `chrt`/autogroup nice):
 
-    taskset -c 1 python -m tests.standin --port 8200 --ttft-ms 50 --itl-ms 25 --tokens 16 &
+    taskset -c 1 python -m standin --port 8200 --ttft-ms 50 --itl-ms 25 --tokens 16 &
     taskset -c 0 python -m loadtest.selfcheck --url http://127.0.0.1:8200 --label after \\
         --server-pid $! --gc default,frozen --output loadtest/results/client-overhead
 """
@@ -253,7 +253,7 @@ def _floats(text: str) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.selfcheck", description=__doc__.split("\n")[0])
-    parser.add_argument("--url", required=True, help="a stand-in engine (tests.standin)")
+    parser.add_argument("--url", required=True, help="a stand-in engine (standin)")
     parser.add_argument("--model", default="standin")
     parser.add_argument("--label", required=True, help="this measurement's name (before, after)")
     parser.add_argument("--output", default="loadtest/results/client-overhead")

@@ -9,7 +9,7 @@ import httpx
 from bench.loadgen import run_load, summarize
 from bench.proctree import tree_cpu_seconds, tree_cpu_split, tree_pids
 from bench.proxy_bench import figures, judge
-from tests.standin import StandinConfig, build_app
+from standin import StandinConfig, build_app
 from tests.support import serve_in_thread
 
 CHUNKS_PER_ANSWER = 1 + 4 + 1  # role, 4 tokens, usage ([DONE] is not counted)

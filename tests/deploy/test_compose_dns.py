@@ -33,7 +33,7 @@ from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
 from server.cli import main as cli_main
 from server.deploy import compose
-from tests.standin import StandinConfig, build_app
+from standin import StandinConfig, build_app
 from tests.support import free_port, wait_for
 
 from .conftest import ROOT

@@ -23,7 +23,7 @@ import httpx
 import pytest
 from packaging.requirements import Requirement
 
-from tests.standin import StandinConfig, build_app
+from standin import StandinConfig, build_app
 from tests.support import free_port, serve_in_thread, wait_http
 
 from .conftest import DOCKER, ROOT, VARIANTS

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from standin import StandinConfig, build_app
 from tests.engine.test_engine_e2e import alive, descendants
-from tests.standin import StandinConfig, build_app
 from tests.support import free_port, serve_in_thread, wait_for, wait_http
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -31,11 +31,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.deploy.plan import plan_deployment
 from server.gateway.app import create_app
-from server.gateway.app.router import Gateway as GatewayApp
+from server.gateway.app.application import GatewayApp
 from server.gateway.http.seam import protocol_for
 from server.gateway.serving.supervisor import WORKER_HEADER
 from server.gateway.settings import GatewaySettings, ModelEngines
-from tests.standin import Standin, StandinConfig, build_app
+from standin import Standin, StandinConfig, build_app
 from tests.support import serve_in_thread, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -55,8 +55,8 @@ from server.deploy.plan import plan_deployment
 from server.engine.profiles import TrimmingConfig
 from server.gateway.app import create_app
 from server.gateway.settings import ModelEngines
+from standin import StandinConfig, build_app
 from tests.gateway.conftest import FAST_ENGINE, WORKER_COUNTS, WORKER_IDS, chat_body, fast_settings, served_gateway
-from tests.standin import StandinConfig, build_app
 from tests.support import WAIT_TIMEOUT, serve_in_thread, wait_for
 
 KEY = "sk-table"

@@ -117,8 +117,8 @@ async def test_errors_are_httpx_errors():
 
 @pytest.mark.one_process("hands the gateway an httpx client object")
 def test_an_injected_httpx_client_carries_the_proxied_traffic(gateway):
+    from standin import StandinConfig, build_app
     from tests.gateway.conftest import chat_body, fast_settings, sse_events
-    from tests.standin import StandinConfig, build_app
 
     engine = build_app(StandinConfig(ttft_ms=1, itl_ms=1, tokens=3))
     with serve_in_thread(engine) as engine_url:

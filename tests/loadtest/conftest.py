@@ -3,7 +3,7 @@
 import httpx
 import pytest
 
-from tests.standin import StandinConfig, build_app
+from standin import StandinConfig, build_app
 from tests.support import serve_in_thread
 
 

@@ -13,7 +13,7 @@ from loadtest.metrics import cached_share, per_turn, summarize
 from loadtest.records import RequestRecord
 from loadtest.report import RunOutcome, markdown
 from loadtest.runner import LoadShape, Runner, StopRule
-from tests.standin import StandinConfig, build_app
+from standin import StandinConfig, build_app
 from tests.support import serve_in_thread
 
 

@@ -209,7 +209,7 @@ def test_raw_transport_replaces_a_connection_the_server_closed_while_idle():
             )
             return first.record, second.record
 
-    from tests.standin import StandinConfig, build_app
+    from standin import StandinConfig, build_app
 
     app = build_app(StandinConfig(ttft_ms=1, itl_ms=1, tokens=2))
     with serve_in_thread(app, timeout_keep_alive=1) as url:
@@ -259,7 +259,7 @@ def test_raw_transport_speaks_https(tmp_path):
     import subprocess
 
     from loadtest.transport import HTTPClient
-    from tests.standin import StandinConfig, build_app
+    from standin import StandinConfig, build_app
 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(

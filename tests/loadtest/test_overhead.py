@@ -12,7 +12,7 @@ from loadtest.client import ChatClient, make_transport
 from loadtest.overhead import fetch_engine_timings, join, overhead_summary
 from loadtest.records import RequestRecord
 from loadtest.runner import LoadShape, Runner, StopRule
-from tests.standin import StandinConfig, build_app
+from standin import StandinConfig, build_app
 from tests.support import serve_in_thread
 
 

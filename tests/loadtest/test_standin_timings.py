@@ -5,7 +5,7 @@ import json
 import httpx
 import pytest
 
-from tests.standin import StandinConfig, build_app
+from standin import StandinConfig, build_app
 from tests.support import serve_in_thread
 
 MESSAGES = [

@@ -17,7 +17,7 @@ from server.deploy.plan import plan_deployment
 from server.gateway.app import create_app
 from server.gateway.observability.logs import ACCESS_LOGGER
 from server.gateway.settings import GatewaySettings, HealthCheck, ModelEngines
-from tests.standin import StandinConfig, build_app
+from standin import StandinConfig, build_app
 from tests.support import serve_in_thread, wait_for
 
 TTFT_S = 0.2  # the stand-in sends the role chunk at once and the first token after this

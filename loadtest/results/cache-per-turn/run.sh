@@ -2,7 +2,7 @@
 # the per-turn cache demo, in its own scheduling autogroup at nice -10 (as the overhead bench)
 cd /work/main
 echo -10 > /proc/$$/autogroup
-taskset -c 1 .venv/bin/python -m tests.standin --port 8216 --ttft-ms 50 --itl-ms 10 --tokens 32 --prompt-tokens-details > /tmp/standin-cache.log 2>&1 &
+taskset -c 1 .venv/bin/python -m standin --port 8216 --ttft-ms 50 --itl-ms 10 --tokens 32 --prompt-tokens-details > /tmp/standin-cache.log 2>&1 &
 SP=$!
 for i in $(seq 50); do curl -sf localhost:8216/health >/dev/null && break; sleep 0.2; done
 uptime

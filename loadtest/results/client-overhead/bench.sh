@@ -21,7 +21,7 @@ for MODE in shared core; do
         RT="chrt -f 20"
         LABEL="$TAG, a core each (SCHED_FIFO): default GC vs frozen GC"
     fi
-    $RT taskset -c 1 .venv/bin/python -m tests.standin --port 8214 --ttft-ms 100 --itl-ms 50 --tokens 16 \
+    $RT taskset -c 1 .venv/bin/python -m standin --port 8214 --ttft-ms 100 --itl-ms 50 --tokens 16 \
         > /tmp/standin-bench.log 2>&1 &
     SP=$!
     for i in $(seq 50); do curl -sf localhost:8214/health >/dev/null && break; sleep 0.2; done

@@ -1,4 +1,4 @@
-"""The stand-in engine (tests/standin.py) plus a `/v1/responses` that checks the prompt's length as
+"""The stand-in engine (standin/) plus a `/v1/responses` that checks the prompt's length as
 vLLM does, for the Responses trimming tests.
 
 `POST /v1/responses` renders `instructions` + `input` into chat messages (as vLLM does, through
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.gateway.trimming.history import responses_history
-from tests.standin import Standin, StandinConfig, build_app, count_chat_tokens
+from standin import Standin, StandinConfig, build_app, count_chat_tokens
 
 
 @dataclass

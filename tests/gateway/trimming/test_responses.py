@@ -20,10 +20,10 @@ from server.engine.profiles import TrimmingConfig
 from server.gateway.trimming.counter import TokenCounter
 from server.gateway.trimming.history import responses_history
 from server.gateway.trimming.step import HistoryTrimming
+from standin import count_chat_tokens
 from tests.gateway.trimming.harness import StepRouter
 from tests.gateway.trimming.responses_engine import ResponsesStandin, responses_conversation
 from tests.gateway.trimming.test_step import MODEL, StandinTarget
-from tests.standin import count_chat_tokens
 from tests.support import serve_in_thread
 
 

@@ -24,8 +24,8 @@ from server.gateway.request.endpoints import BY_NAME
 from server.gateway.request.request import parse_request
 from server.gateway.trimming.decision import effective_mode
 from server.gateway.trimming.step import HistoryTrimming
+from standin import StandinConfig, build_app, count_chat_tokens
 from tests.gateway.trimming.harness import StepRouter
-from tests.standin import StandinConfig, build_app, count_chat_tokens
 from tests.support import serve_in_thread, wait_for
 
 MODEL = "standin"

@@ -8,9 +8,9 @@ import httpx
 import pytest
 
 from server.engine.profiles import TrimmingConfig
+from standin import count_chat_tokens
 from tests.gateway.conftest import fast_settings
 from tests.gateway.trimming.test_step import conversation
-from tests.standin import count_chat_tokens
 
 
 def _gateway(engines, gateway, trimming: TrimmingConfig, **engine_config):

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.standin import StandinConfig, build_app, count_chat_tokens, count_prompt_tokens
+from standin import StandinConfig, build_app, count_chat_tokens, count_prompt_tokens
 from tests.support import raw_post, serve_in_thread, wait_for
 
 MESSAGES = [

@@ -41,24 +41,8 @@ def fig(run: dict[str, Any], key: str, fmt: Callable[[float], str]) -> str:
     return fmt(value) if value is not None else "-"
 
 
-# A run's figures, in the one line above its report.
-SUMMARY: tuple[tuple[str, str, Callable[[float], str]], ...] = (
-    ("cpu_ratio_interleaved", "CPU per chunk / the router's, interleaved", ratio),
-    ("cpu_ratio_side_by_side", "side by side", ratio),
-    ("cpu_ratio_before_vs_router", "the code before / the router's", ratio),
-    ("added_ttft_x1_minus_router_ms", "added TTFT minus the router's", ms),
-    ("added_ttft_x2_minus_router_ms", "two workers", ms),
-    ("added_ttft_side_by_side_x1_minus_router_ms", "side by side", ms),
-    ("capped_ceiling_ratio", "2 capped workers / 1", ratio),
-    ("answer_length_per_chunk_ratio", "per chunk / the router's", ratio),
-    ("answer_length_per_request_ratio", "per request", ratio),
-)
-
-
-def collapsed(report: str, title: str) -> list[str]:
-    """A run's whole report as a collapsed block (its headings as bold lines, out of the contents)."""
-    body = re.sub(r"^#+ (.*)$", r"**\1**", report, flags=re.MULTILINE)
-    return [f'??? note "{title}"', ""] + [f"    {line}" if line else "" for line in body.splitlines()]
+def demote(report: str) -> str:
+    return re.sub(r"^(#+) ", lambda m: "#" * (len(m.group(1)) + 1) + " ", report, flags=re.MULTILINE)
 
 
 def gateway_runs_page() -> str:
@@ -162,9 +146,7 @@ def gateway_runs_page() -> str:
         if r["dirty"]:
             warning = f"    {r['commit']}+dirty: the code is not in the repository."
             out += ['!!! warning "Measured on an uncommitted tree"', "", warning, ""]
-        summary = "; ".join(f"{label} {fmt(r['figures'][key])}" for key, label, fmt in SUMMARY if key in r["figures"])
-        out += [f"{r['date'][:16].replace('T', ' ')} UTC, {commit_cell(r)}: {summary}.", ""]
-        out += collapsed(r["report"], f"The whole report (was `{r['was']}`)")
+        out += [f"Was `{r['was']}`.", "", demote(r["report"])]
     return "\n".join(out).rstrip() + "\n"
 
 

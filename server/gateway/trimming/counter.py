@@ -3,37 +3,25 @@
 The engine is asked through an injected `tokenize(messages, add_generation_prompt) -> int`
 (vLLM's ``/tokenize`` with ``messages``); this module does no HTTP itself.
 
-How a count is made cheap. A rendered chat template is, for most templates, a fixed per-call part
-(a BOS token, a default system block), then one block per message, then the generation prompt.
-So once per model the counter *calibrates*: it tokenizes a few probe conversations and measures
+How a count is made cheap. Once per model the counter measures what the template adds around
+the messages (`calibration.calibrate`: ``per_call``, ``generation_prompt``, ``empty_message``,
+``trusted``). Each message is then tokenized alone, once: its net count ``c([m]) - per_call`` is
+cached under a hash of its content (`keys.message_key`, in a bounded LRU), so a conversation that
+grows by one message costs one small tokenize call. The estimate of a whole prompt is
+``per_call + sum(net) + generation_prompt``, plus the cost of the request's tool list
+(`calibration.tools_cost`, cached per distinct list) when it has one.
 
-- ``per_call``: tokens every tokenize call adds once (``c([a]) + c([b]) - c([a, b])``),
-- ``generation_prompt``: what ``add_generation_prompt`` adds,
-- ``trusted``: whether the per-message counts of a three-message probe add up to at least its
-  whole count (an over-estimate only trims a little early; a short one could overflow).
-
-Each message is then tokenized alone, once: its net count ``c([m]) - per_call`` is cached under
-a hash of its content (bounded LRU), so a conversation that grows by one message costs one small
-tokenize call. The estimate of a whole prompt is ``per_call + sum(net) + generation_prompt``.
-
-The work per request is bounded: at most `max_calls` new messages are tokenized for one request
-(the leading instructions first, then the newest messages backwards), and only as far back as a
-message could still be part of a prompt that fits the budget (every message costs at least
-`floor`, half the template's cost of an empty message). Every other new message is estimated
-from its size without a call and listed in `unseen`: the upper bound below where the message could
-still be sent (an estimate too high only trims a little more), a guess from the tokens per byte of
-the counted messages where it cannot; a later turn counts the next ones. One request thus makes at most
-7 (calibration, once per model) + 2 (a new tool list) + `max_calls` + the verification rounds
-calls, and adds at most `max_calls` entries to the shared cache, so it cannot flush it.
+The work per request is bounded (`selection`): at most `max_calls` new messages are tokenized
+for one request, and only those that could still be part of a prompt within the budget; every
+other new message is estimated from its size and listed in `unseen`. One request thus makes at
+most 7 (calibration, once per model) + 2 (a new tool list) + `max_calls` + the verification
+rounds calls, and adds at most `max_calls` entries to the shared cache, so it cannot flush it.
 
 Not even that call is waited for when it cannot matter: `estimate_cached` answers from the cache
-alone, with a generous upper bound (twice the message's UTF-8 bytes, plus the template's cost of
-an empty message) for messages not seen yet. If the prompt fits its budget even so, the caller
-sends it at once and lets `learn` count the new messages in the background for the next turn.
-
-Tool definitions (the request's ``tools``) are rendered by many templates into the prompt once;
-their cost is measured once per distinct tool list (``c([probe], tools) - c([probe])``) and added
-to the overhead, when the tokenizer accepts ``tools``.
+alone, with a generous upper bound (`selection.upper_bound`: twice the message's UTF-8 bytes,
+plus the template's cost of an empty message) for messages not seen yet. If the prompt fits its
+budget even so, the caller sends it at once and lets `learn` count the new messages in the
+background for the next turn.
 
 Templates where the sum is not exact (messages rendered differently in context, roles merged;
 vLLM itself folds `developer` messages into the leading system message) are caught by
@@ -45,42 +33,18 @@ has been found *short*, the model is no longer trusted and "close" becomes a wid
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import itertools
-import json
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.gateway.trimming.core import Message, leading_instructions
-
-# tokenize(messages, add_generation_prompt) -> tokens; with tools, also a `tools=` keyword.
-Tokenize = Callable[..., Awaitable[int]]
+from server.gateway.trimming.calibration import Calibration, Tokenize, calibrate, tools_cost
+from server.gateway.trimming.core import Message
+from server.gateway.trimming.keys import message_key, tools_key
+from server.gateway.trimming.selection import CacheKey, choose, fill, upper_bound
 
 log = logging.getLogger("gateway.trimming")
-
-# Probe conversation for calibration: ordinary, template-friendly messages.
-_PROBES: tuple[Message, ...] = (
-    {"role": "system", "content": "You are a careful assistant."},
-    {"role": "user", "content": "What is the capital of France?"},
-    {"role": "assistant", "content": "Paris."},
-)
-
-
-@dataclass
-class Calibration:
-    """What one model's chat template adds around the messages, as measured."""
-
-    per_call: int
-    generation_prompt: int
-    # Net tokens of a user message with empty content (role markers): the floor of any message.
-    empty_message: int
-    # No estimate has been found short of the exact count (probe included).
-    trusted: bool
-    # Largest shortfall (exact - estimate > 0) seen by count_exact.
-    max_short: int = 0
 
 
 @dataclass(frozen=True)
@@ -98,29 +62,6 @@ class PromptCount:
     @property
     def total(self) -> int:
         return self.overhead + sum(self.per_message)
-
-
-Key = Hashable
-
-
-def message_key(message: Message) -> Key:
-    """A content hash of the message: equal for equal messages, whatever their key order.
-
-    The common ``{"role", "content": str}`` message is keyed by its role, length and Python's
-    string hash (SipHash, keyed per process); anything else by a BLAKE2 hash of its canonical JSON.
-    """
-    content = message.get("content")
-    if len(message) == 2 and isinstance(content, str) and isinstance(message.get("role"), str):
-        return (message["role"], len(content), hash(content))
-    canonical = json.dumps(message, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.blake2b(canonical.encode(), digest_size=16).digest()
-
-
-def _payload_bytes(message: Message) -> int:
-    content = message.get("content")
-    if len(message) == 2 and isinstance(content, str):
-        return len(content.encode()) + len(str(message.get("role", "")))
-    return len(json.dumps(message, ensure_ascii=False).encode())
 
 
 class TokenCounter:
@@ -149,9 +90,9 @@ class TokenCounter:
         self.max_calls = max_calls
         # Counting tasks in flight; beyond that, new messages wait for the next turn.
         self.max_background = max_background
-        self._cache: OrderedDict[tuple[str, Key], int] = OrderedDict()  # also tool lists' costs
+        self._cache: OrderedDict[CacheKey, int] = OrderedDict()  # also tool lists' costs
         self._calibrations: dict[str, Calibration] = {}
-        self._learning: set[tuple[str, Key]] = set()  # being counted right now
+        self._learning: set[CacheKey] = set()  # being counted right now
         self._background: set[asyncio.Task[None]] = set()
 
     def calibration(self, model: str) -> Calibration | None:
@@ -234,7 +175,7 @@ class TokenCounter:
             return None
         overhead = calibration.per_call + (calibration.generation_prompt if add_generation_prompt else 0)
         if tools:
-            cost = self._cache.get((model, _tools_key(tools)))
+            cost = self._cache.get((model, tools_key(tools)))
             if cost is None:
                 return None
             overhead += cost
@@ -284,8 +225,8 @@ class TokenCounter:
         if tools:
             overhead += await self._tools_cost(model, tokenize, tools)
         keys = [(model, message_key(m)) for m in messages]
-        chosen = self._choose(keys, messages, calibration, overhead, budget)
-        fresh: dict[tuple[str, Key], int] = {}
+        chosen = choose(keys, messages, self._cache, calibration, overhead, budget, self.max_calls)
+        fresh: dict[CacheKey, int] = {}
         pending = list(chosen.items())
         for start in range(0, len(pending), self.concurrency):
             batch = pending[start : start + self.concurrency]
@@ -300,86 +241,9 @@ class TokenCounter:
             else:
                 value = self._cache.get(key)
             known.append(value)
-        per_message = self._fill(messages, known, calibration, overhead, budget)
+        per_message = fill(messages, known, calibration, overhead, budget)
         unseen = [message for message, value in zip(messages, known, strict=True) if value is None]
         return PromptCount(per_message=per_message, overhead=overhead, unseen=unseen)
-
-    def _fill(
-        self,
-        messages: Sequence[Message],
-        known: list[int | None],
-        calibration: Calibration,
-        overhead: int,
-        budget: int | None,
-    ) -> list[int]:
-        """Counts for every message: `known` where counted, else an estimate from the size.
-
-        A message not counted that could still be part of a prompt within `budget` gets the
-        upper bound (`upper_bound`: trimming must not overflow because of it). One older than
-        that cannot be kept whatever it costs, so it gets a closer guess, from the tokens per byte
-        of the messages counted here: it only moves the dropped-token figures and the watermark
-        replay, and should not inflate them.
-        """
-        floor = max(1, calibration.empty_message // 2)
-        head = leading_instructions(messages)
-        least = overhead + sum(floor if value is None else value for value in known[:head])
-        beyond = head  # messages[head:beyond] cannot be in any prompt within the budget
-        for index in range(len(messages) - 1, head - 1, -1):
-            value = known[index]
-            least += floor if value is None else value
-            if budget is not None and index < len(messages) - 1 and least > budget:
-                beyond = index + 1
-                break
-        counted = [(message, value) for message, value in zip(messages, known, strict=True) if value is not None]
-        counted_bytes = sum(_payload_bytes(message) for message, _ in counted)
-        per_byte = sum(value for _, value in counted) / counted_bytes if counted_bytes else None
-        out: list[int] = []
-        for index, (message, value) in enumerate(zip(messages, known, strict=True)):
-            if value is None:
-                if head <= index < beyond and per_byte is not None:
-                    value = max(floor, round(_payload_bytes(message) * per_byte))
-                else:
-                    value = upper_bound(message, calibration)
-            out.append(value)
-        return out
-
-    def _choose(
-        self,
-        keys: list[tuple[str, Key]],
-        messages: Sequence[Message],
-        calibration: Calibration,
-        overhead: int,
-        budget: int | None,
-    ) -> dict[tuple[str, Key], Message]:
-        """The new messages `count` tokenizes (at most `max_calls`), in the order of `count`'s doc.
-
-        Walks the instructions, then the conversation from its newest message back, adding what
-        each message costs at least (its cached count, else `floor`); it stops at `max_calls`
-        new messages or where even those least costs pass `budget`, since an older message can
-        then not be in any prompt that fits (the newest message is counted whatever its cost: it
-        is always sent). Messages found in the cache are marked recently used.
-        """
-        cache = self._cache
-        floor = max(1, calibration.empty_message // 2)
-        head = leading_instructions(messages)
-        order = itertools.chain(range(head), range(len(messages) - 1, head - 1, -1))
-        chosen: dict[tuple[str, Key], Message] = {}
-        least = overhead
-        for index in order:
-            key = keys[index]
-            value = cache.get(key)
-            if value is not None:
-                cache.move_to_end(key)
-                least += value
-                continue
-            least += floor
-            if key in chosen:
-                continue
-            could_fit = budget is None or index < head or index == len(messages) - 1 or least <= budget
-            if len(chosen) >= self.max_calls or not could_fit:
-                break
-            chosen[key] = messages[index]
-        return chosen
 
     def needs_verification(self, model: str, estimate: int, budget: int) -> bool:
         """Whether an estimate is close enough to the budget that only an exact count will do."""
@@ -416,55 +280,21 @@ class TokenCounter:
         known = self._calibrations.get(model)
         if known is not None:
             return known
-        a, b, c = _PROBES
-        ca, cb, cc, cab, cabc, cabc_gen, empty = await asyncio.gather(
-            tokenize([a], False),
-            tokenize([b], False),
-            tokenize([c], False),
-            tokenize([a, b], False),
-            tokenize([a, b, c], False),
-            tokenize([a, b, c], True),
-            tokenize([{"role": "user", "content": ""}], False),
-        )
-        per_call = max(0, ca + cb - cab)
-        estimate = ca + cb + cc - 2 * per_call
-        calibration = Calibration(
-            per_call=per_call,
-            generation_prompt=max(0, cabc_gen - cabc),
-            empty_message=max(0, empty - per_call),
-            trusted=cabc <= estimate and ca + cb - cab >= 0,
-            max_short=max(0, cabc - estimate),
-        )
+        calibration = await calibrate(tokenize)
         self._calibrations[model] = calibration
         return calibration
 
     async def _tools_cost(self, model: str, tokenize: Tokenize, tools: list[Any]) -> int:
-        key = (model, _tools_key(tools))
+        key = (model, tools_key(tools))
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        probe = [_PROBES[1]]
-        with_tools, without = await asyncio.gather(
-            tokenize(probe, False, tools=tools),
-            tokenize(probe, False),
-        )
-        cost = max(0, with_tools - without)
+        cost = await tools_cost(tokenize, tools)
         self._remember(key, cost)
         return cost
 
-    def _remember(self, key: tuple[str, Key], value: int) -> None:
+    def _remember(self, key: CacheKey, value: int) -> None:
         self._cache[key] = value
         self._cache.move_to_end(key)
         while len(self._cache) > self.max_entries:
             self._cache.popitem(last=False)
-
-
-def upper_bound(message: Message, calibration: Calibration) -> int:
-    """What a message not counted yet is taken to cost: more than any tokenizer that spends at most
-    one token per UTF-8 byte (byte-level BPE, byte fallback) renders it in, template included."""
-    return 2 * _payload_bytes(message) + calibration.empty_message + 16
-
-
-def _tools_key(tools: list[Any]) -> bytes:
-    canonical = json.dumps(tools, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return b"tools:" + hashlib.blake2b(canonical.encode(), digest_size=16).digest()

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from server.gateway.trimming.core import trim_messages
-from server.gateway.trimming.counter import TokenCounter, message_key
+from server.gateway.trimming.counter import TokenCounter
+from server.gateway.trimming.keys import message_key
 from tests.gateway.trimming.conversations import conversations
 
 

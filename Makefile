@@ -67,7 +67,7 @@ engine: install ## Run one engine of $(PROFILE) on port 8100
 tiny-model: install ## Build the tiny local model into .cache/tiny-llama
 	$(BIN)/python -m server tiny-model .cache/tiny-llama
 
-LINTED := server loadtest tests bench examples
+LINTED := server loadtest standin tests bench examples
 
 lint: install ## ruff (lint + format check) and mypy (strict on server/gateway)
 	$(BIN)/ruff check $(LINTED)

@@ -3,22 +3,20 @@
 Every gateway here is a real `python -m server serve --workers 2` process tree (a supervisor and
 two workers) in front of stand-in engines in this process. Each response names its worker
 (`x-gateway-worker`); a new connection per request lets the kernel's SO_REUSEPORT spread them.
-The end of this file runs the end-to-end tests that start a real gateway process (tests/gateway/
-test_drain.py, tests/deploy/test_local.py) again with GATEWAY_WORKERS=2.
+A worker that dies is replaced (SIGKILL under a load of 16 streams), and one that keeps dying makes
+the supervisor give up. The end of this file runs the end-to-end tests that start a real gateway
+process (tests/gateway/test_drain.py, tests/deploy/test_local.py) again with GATEWAY_WORKERS=2.
 """
 
 from __future__ import annotations
 
-import contextlib
+import math
 import os
-import re
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+import time
 from pathlib import Path
 
 import httpx
@@ -26,122 +24,27 @@ import pytest
 
 from server.config import SettingsError
 from server.deploy import local
-from server.gateway.serving.supervisor import METRICS_DIR_PREFIX, WORKER_HEADER, reserve_port
-from server.gateway.settings import GatewaySettings, usable_cores, worker_count
+from server.gateway.serving.supervisor import (
+    METRICS_DIR_PREFIX,
+    WORKER_HEADER,
+    RestartBudget,
+    exit_reason,
+    reserve_port,
+)
+from server.gateway.settings import GatewaySettings, Limits, usable_cores, worker_count
 from tests.gateway.conftest import chat_body, sse_events
-from tests.support import free_port, refuses_connections, wait_for
-
-ROOT = Path(__file__).resolve().parents[2]
-START_TIMEOUT = 120.0  # two fresh interpreters importing the gateway on a busy 2-core machine
-
-
-class Served:
-    """A `python -m server serve --workers N` process tree and its log."""
-
-    def __init__(self, process: subprocess.Popen[bytes], url: str, log: Path):
-        self.process, self.url, self.log = process, url, log
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def worker_pids(self) -> list[int]:
-        return children(self.process.pid)
-
-    def ask(self, method: str = "GET", path: str = "/health", **kwargs) -> httpx.Response:
-        """One request on a new connection (so that either worker may get it)."""
-        with httpx.Client(timeout=30) as client:
-            return client.request(method, f"{self.url}{path}", headers={"connection": "close"}, **kwargs)
-
-
-def children(pid: int) -> list[int]:
-    """The live (not zombie) child processes of `pid`, from /proc."""
-    out = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and alive(int(entry.name)):
-            stat = _stat(int(entry.name))
-            if stat is not None and int(stat[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
-def _stat(pid: int) -> list[str] | None:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return text[text.rfind(")") + 2 :].split()
-
-
-def alive(pid: int) -> bool:
-    stat = _stat(pid)
-    return stat is not None and stat[0] not in ("Z", "X")
-
-
-@contextlib.contextmanager
-def serve_workers(
-    engine_url: str, tmp_path: Path, *extra: str, workers: int = 2, own_group: bool = False
-) -> Iterator[Served]:
-    port = free_port()
-    log = tmp_path / "gateway.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "server", "serve", "--upstream", f"standin={engine_url}", "--port", str(port),
-             "--workers", str(workers), *extra],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-            env={k: v for k, v in os.environ.items() if k not in ("GATEWAY_API_KEYS", "GATEWAY_WORKERS")},
-            process_group=0 if own_group else None,  # as a shell's job: Ctrl-C signals the whole group
-        )  # fmt: skip
-    served = Served(process, f"http://127.0.0.1:{port}", log)
-    pids: list[int] = []
-    try:
-        wait_for(lambda: len(served.worker_pids()) == workers or process.poll() is not None, timeout=START_TIMEOUT)
-        pids = served.worker_pids()
-        yield served
-    finally:
-        pids = pids or served.worker_pids()
-        if process.poll() is None:
-            process.kill()
-        process.wait(timeout=30)
-        for pid in pids:  # never leave a worker behind, even when the test failed
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-
-def ready(served: Served) -> bool:
-    if served.process.poll() is not None:
-        raise AssertionError(served.log_text()[-3000:])
-    try:
-        return served.ask(path="/ready").status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def answering_workers(served: Served, want: int = 2, timeout: float = START_TIMEOUT) -> dict[str, int]:
-    """Chat requests on new connections until `want` workers answered; {worker: requests answered}."""
-    seen: dict[str, int] = {}
-
-    def both() -> bool:
-        if not ready(served):
-            return False
-        response = served.ask("POST", "/v1/chat/completions", json=chat_body())
-        assert response.status_code == 200, response.text
-        worker = response.headers[WORKER_HEADER]
-        seen[worker] = seen.get(worker, 0) + 1
-        return len(seen) >= want
-
-    wait_for(both, timeout=timeout, interval=0.05, what=lambda: f"answers by worker: {seen}")
-    return seen
-
-
-def sample(text: str, name: str, **labels: str) -> list[float]:
-    """The values of every sample `name{labels...}` in a Prometheus exposition."""
-    out = []
-    for line in text.splitlines():
-        match = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})? (\S+)$", line)
-        if match and match[1] == name and all(f'{k}="{v}"' in (match[2] or "") for k, v in labels.items()):
-            out.append(float(match[3]))
-    return out
-
+from tests.gateway.worker_tree import (
+    START_TIMEOUT,
+    Load,
+    alive,
+    answering_workers,
+    pids_by_index,
+    ready,
+    sample,
+    scrapes_of_each_worker,
+    serve_workers,
+)
+from tests.support import refuses_connections, wait_for
 
 # -- the settings -------------------------------------------------------------------------------
 
@@ -300,9 +203,164 @@ def test_a_killed_supervisor_leaves_no_orphan(engines, tmp_path):
 
 
 def _grace(tmp_path: Path, seconds: float) -> Path:
+    return _limits(tmp_path, shutdown_grace=seconds)
+
+
+def _limits(tmp_path: Path, **limits: float) -> Path:
     config = tmp_path / "gateway.yaml"
-    config.write_text(f"limits:\n  shutdown_grace: {seconds}\n")
+    config.write_text("limits:\n" + "".join(f"  {key}: {value}\n" for key, value in limits.items()))
     return config
+
+
+# -- workers that die are replaced ---------------------------------------------------------------
+
+
+def test_the_restart_budget_backs_off_per_worker_and_refuses_past_its_limit():
+    budget = RestartBudget(Limits(worker_restarts_per_minute=3, worker_restart_backoff=0.5))
+    assert budget.died(0, 100.0) == 0.5
+    assert budget.died(0, 101.0) == 1.0  # worker 0's second death within a minute: doubled
+    assert budget.died(1, 102.0) == 0.5  # worker 1's first
+    assert budget.died(1, 103.0) is None  # three restarts in the last minute: the limit
+    sliding = RestartBudget(
+        Limits(worker_restarts_per_minute=2, worker_restart_backoff=1, worker_restart_backoff_max=3)
+    )
+    assert [sliding.died(0, t) for t in (0.0, 1.0)] == [1.0, 2.0]
+    assert sliding.died(0, 60.5) == 2.0  # the restart at 0 s left the window, its death too
+    assert sliding.died(0, 60.6) is None  # those at 1 s and 60.5 s have not
+    capped = RestartBudget(
+        Limits(worker_restarts_per_minute=10, worker_restart_backoff=1, worker_restart_backoff_max=3)
+    )
+    assert [capped.died(0, float(t)) for t in range(4)] == [1.0, 2.0, 3.0, 3.0]
+    assert RestartBudget(Limits(worker_restarts_per_minute=0)).died(0, 0.0) is None  # 0: never restart
+
+
+def test_restart_settings_are_checked():
+    assert Limits().worker_restarts_per_minute >= 1  # by default a dead worker comes back
+    for bad in ({"worker_restarts_per_minute": -1}, {"worker_restart_backoff": -0.1},
+                {"worker_restart_backoff": 5, "worker_restart_backoff_max": 1}, {"worker_restarts": 3}):  # fmt: skip
+        with pytest.raises(ValueError):
+            GatewaySettings.model_validate({"limits": bad})
+
+
+def test_exit_reasons_name_the_signal():
+    assert exit_reason(-signal.SIGKILL) == "was killed by SIGKILL"
+    assert exit_reason(-signal.SIGILL) == "was killed by SIGILL"
+    assert exit_reason(3) == "exited with status 3"
+
+
+def test_the_restart_metric_reads_the_supervisors_file(tmp_path):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from server.gateway.observability.metrics import WORKER_RESTARTS_FILE, WorkerRestarts
+
+    registry = CollectorRegistry()
+    registry.register(WorkerRestarts(tmp_path / WORKER_RESTARTS_FILE))
+    assert sample(generate_latest(registry).decode(), "gateway_worker_restarts_total") == []  # no file yet
+    (tmp_path / WORKER_RESTARTS_FILE).write_text('{"0": 2, "1": 0}')
+    text = generate_latest(registry).decode()
+    assert sample(text, "gateway_worker_restarts_total", worker="0") == [2.0]
+    assert sample(text, "gateway_worker_restarts_total", worker="1") == [0.0]
+    (tmp_path / WORKER_RESTARTS_FILE).write_text("{not json")
+    assert sample(generate_latest(registry).decode(), "gateway_worker_restarts_total") == []
+
+
+def test_a_killed_worker_is_replaced_while_16_streams_run_and_nothing_else_fails(engines, tmp_path):
+    (engine,) = engines(1, ttft_ms=5, itl_ms=50, tokens=Load.TOKENS)
+    config = _limits(tmp_path, shutdown_grace=5, worker_restart_backoff=0.2)
+    with serve_workers(engine.url, tmp_path, "--config", str(config)) as served:
+        warm = sum(answering_workers(served).values())
+        killed, other = pids_by_index(served)
+        load = Load(served.url, streams=16)
+        killed_at = math.inf
+        cut_candidates = 0
+
+        def kill_while_both_stream() -> bool:
+            """SIGKILL worker 0 at a moment when both workers carry streams and every open
+            connection has its head (so each stream's worker is known)."""
+            nonlocal killed_at, cut_candidates
+            with load.lock:
+                load.gate.clear()
+            wait_for(lambda: None not in load.open.values(), timeout=120, what=lambda: load.open)
+            with load.lock:
+                on = list(load.open.values())
+                if on.count("0") >= 1 and on.count("1") >= 1:
+                    os.kill(killed, signal.SIGKILL)
+                    killed_at, cut_candidates = time.perf_counter(), on.count("0")
+                    return True
+                load.gate.set()
+                return False
+
+        try:
+            wait_for(lambda: len(load.open) == 16, timeout=60, what=lambda: load.open)
+            wait_for(kill_while_both_stream, timeout=120, interval=0.1)
+            # Its socket is closed once it is dead: no new connection can reach it, only the others.
+            wait_for(lambda: not alive(killed), what=f"worker pid {killed} to die")
+            load.gate.set()
+
+            def served_after(worker: str, at_least: int) -> bool:
+                after = [r for r in list(load.results) if r.worker == worker and r.headed_at > killed_at]
+                return sum(r.ok for r in after) >= at_least
+
+            # The replacement serves (index 0 again), and the load runs on both workers a while.
+            wait_for(lambda: served_after("0", 16) and served_after("1", 16), timeout=START_TIMEOUT,
+                     what=lambda: served.log_text()[-2000:])  # fmt: skip
+        finally:
+            results = load.stop()
+
+        failed = [r for r in results if not r.ok]
+        cut = [r for r in failed if r.worker == "0" and r.headed_at < killed_at]
+        assert failed == cut, f"{len(failed) - len(cut)} failures outside the killed worker's streams: {failed[:3]}"
+        assert 1 <= len(cut) <= cut_candidates
+        assert all(r.ok for r in results if r.worker == "1")  # the other worker lost nothing, during the kill too
+        assert any(r.worker == "1" and r.headed_at < killed_at for r in results)
+        replacement = [pid for pid in served.worker_pids() if pid != other]
+        assert len(replacement) == 1 and replacement[0] != killed and alive(other)
+        log = served.log_text()
+        assert f"worker 0 (pid {killed}) was killed by SIGKILL after" in log
+        assert "restarting it in 0.20 s" in log
+        assert f"worker 0 restarted (pid {replacement[0]})" in log
+        ok = warm + sum(1 for r in results if r.ok)
+
+        def settled() -> str:
+            text = served.ask(path="/metrics").text
+            return text if sample(text, "gateway_requests_total", model="standin", code="200") == [ok] else ""
+
+        wait_for(settled, what=lambda: (ok, served.ask(path="/metrics").text[-3000:]))
+        # Whichever worker answers: every finished request counted once (the dead one's too), the
+        # cut streams no longer in flight (its live gauge dropped), the restart counted.
+        for worker, text in scrapes_of_each_worker(served).items():
+            assert sample(text, "gateway_requests_total", model="standin", code="200") == [ok], worker
+            assert sum(sample(text, "gateway_requests_total", model="standin")) == ok, worker
+            assert sample(text, "gateway_requests_in_flight", model="standin") == [0.0], worker
+            assert sample(text, "gateway_worker_restarts_total", worker="0") == [1.0], worker
+            assert sample(text, "gateway_worker_restarts_total", worker="1") == [0.0], worker
+        served.process.send_signal(signal.SIGTERM)
+        assert served.process.wait(timeout=120) == 0
+        wait_for(lambda: not any(alive(pid) for pid in (other, *replacement)), what="the workers to exit")
+
+
+def test_a_worker_that_keeps_dying_makes_the_supervisor_stop_and_exit_1(engines, tmp_path):
+    (engine,) = engines(1)
+    config = _limits(tmp_path, shutdown_grace=5, worker_restarts_per_minute=1, worker_restart_backoff=0)
+    with serve_workers(engine.url, tmp_path, "--config", str(config)) as served:
+        answering_workers(served)
+        first, other = pids_by_index(served)
+        os.kill(first, signal.SIGKILL)
+        # Its replacement dies too, as soon as it exists (before it has read its settings, even).
+        (second,) = wait_for(lambda: [pid for pid in served.worker_pids() if pid not in (first, other)], timeout=60)
+        assert served.ask("POST", "/v1/chat/completions", json=chat_body()).status_code == 200  # worker 1 serves on
+        os.kill(second, signal.SIGKILL)
+        assert served.process.wait(timeout=120) == 1
+        log = served.log_text()
+        assert f"worker 0 (pid {first}) was killed by SIGKILL" in log
+        assert f"worker 0 restarted (pid {second})" in log
+        assert (
+            f"worker 0 (pid {second}) was killed by SIGKILL after" in log
+            and "it is not restarted: 1 restarts in the last 60 s is the limit (limits.worker_restarts_per_minute)"
+            in log
+        ), log[-3000:]
+        wait_for(lambda: not alive(other), what="the other worker to drain and exit")
+        assert served.worker_pids() == []
 
 
 # -- the end-to-end tests of a real gateway process, again with two workers ---------------------

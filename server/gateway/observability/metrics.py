@@ -27,17 +27,21 @@ its metrics then live in prometheus-client's per-process files there (the proces
 PROMETHEUS_MULTIPROC_DIR set before prometheus_client was imported), none is registered on
 `registry`, and `registry` exposes the sums over every process, dead ones included for counters
 and histograms, live ones only for `gateway_requests_in_flight`. Collectors added to `registry`
-later (the engines' figures) are this process's own.
+later (the engines' figures) are this process's own. `gateway_worker_restarts_total{worker}`
+is the supervisor's: it counts the workers it replaced in a file of that directory
+(WORKER_RESTARTS_FILE), which every worker's registry reads when scraped (`WorkerRestarts`).
 """
 
 from __future__ import annotations
 
+import json
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, Metric
 
 # Seconds. From a few milliseconds (a small model, a warm prefix cache) to minutes (a long prompt
 # queued behind others on a busy engine); finer where SLOs usually sit (100 ms - 2 s).
@@ -62,6 +66,10 @@ DURATION_BUCKETS = (
 # OTHER_MODEL so that a client cannot grow the label set without bound.
 MAX_MODELS = 64
 OTHER_MODEL = "_other"
+
+# In the multiprocess directory: {"worker index": restarts}, written (whole, by rename) by the
+# supervisor of `--workers N` (server.gateway.serving.supervisor), which answers no scrape itself.
+WORKER_RESTARTS_FILE = "worker-restarts.json"
 
 
 def _observe(histogram: Histogram, amount: float) -> None:
@@ -131,6 +139,35 @@ class _FlushBeforeCollect:
         return iter(())
 
 
+class WorkerRestarts:
+    """`gateway_worker_restarts_total{worker}`: the workers the supervisor replaced, as its file says.
+
+    A collector over a value someone else owns (the supervisor), read at each collection: a file
+    missing or half-written (never, with the supervisor's rename) exports no sample, not an error."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            counts = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            counts = {}
+        family = CounterMetricFamily(
+            "gateway_worker_restarts",
+            "Worker processes of --workers N replaced by the supervisor after they died, by worker index.",
+            labels=["worker"],
+        )
+        if isinstance(counts, dict):
+            for worker, restarts in sorted(counts.items()):
+                if isinstance(restarts, int):
+                    family.add_metric([str(worker)], float(restarts))
+        yield family
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
 class GatewayMetrics:
     """The gateway's request metrics, on its own registry (a fresh one when none is given)."""
 
@@ -154,6 +191,7 @@ class GatewayMetrics:
                     "multiprocess metrics need PROMETHEUS_MULTIPROC_DIR set before prometheus_client loads"
                 )
             multiprocess.MultiProcessCollector(self.registry, path=multiprocess_dir)  # type: ignore[no-untyped-call]
+            self.registry.register(WorkerRestarts(Path(multiprocess_dir) / WORKER_RESTARTS_FILE))
             reg = None  # the files are the truth; registered here too, this process would count twice
         self._ttft = Histogram(
             "gateway_time_to_first_token_seconds",

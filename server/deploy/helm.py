@@ -2,13 +2,17 @@
 
 The chart (charts/llm-serving) holds the Kubernetes objects; what runs comes from here, out of
 the same deployment plan and engine renderer as `up` and compose: one engine Deployment per
-profile model (its vLLM arguments from `server.engine.render.engine_argv`, its GPUs tensor x
-pipeline parallel), and the gateway's models, each pointing at its engines' Service or at the
-URLs the config names. The operator's other gateway settings (timeouts, routing, auth, ...)
-go into the gateway's ConfigMap as written.
+profile model (its vLLM arguments from `server.engine.render.engine_argv`, its GPUs a pod
+tensor x pipeline x local data parallel), or for an engine over several nodes a LeaderWorkerSet
+of `nodes` pods a group (vLLM's own multi-node data parallel: `server.engine.render.node_flags`),
+and the gateway's models, each pointing at its engines' Service (for a LeaderWorkerSet, the
+group leaders') or at the URLs the config names. The operator's other gateway settings
+(timeouts, routing, auth, ...) go into the gateway's ConfigMap as written.
 
 `charts/values.gpu.yaml` is rendered from configs/gateway.gpu.yaml (`make helm-values`);
-`helm install llm charts/llm-serving -f charts/values.gpu.yaml` deploys it.
+`helm install llm charts/llm-serving -f charts/values.gpu.yaml` deploys it. The multi-node
+example `charts/examples/values.deepseek-v3-two-nodes.yaml` is rendered from
+charts/examples/deepseek-v3-two-nodes.gateway.yaml the same way.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from server.deploy.plan import (
     slug,
 )
 from server.engine.profiles import Profile
-from server.engine.render import KV_EVENTS_PORT, engine_argv
+from server.engine.render import KV_EVENTS_PORT, LWS_LEADER_ADDRESS, engine_argv, node_flags
 
 # Seconds an engine may take to answer /health after it starts: a model download and load.
 STARTUP_SECONDS = {device: int(period.removesuffix("m")) * 60 for device, period in START_PERIOD.items()}
@@ -61,10 +65,34 @@ def model_argument(profile: Profile) -> str | None:
 
 
 def engine_values(model: PlannedModel) -> dict[str, Any]:
-    """One engine Deployment: the profile's replicas, image, vLLM arguments, GPUs and start-up time."""
+    """One engine: the profile's replicas, image, vLLM arguments, GPUs a pod and start-up time.
+
+    An engine over several nodes (a profile whose `data-parallel-size` is more than its
+    `data-parallel-size-local`) runs as a LeaderWorkerSet group of `nodes` pods: the leader's
+    `args` point vLLM at the group's leader (itself), the workers' `workerArgs` run headless;
+    the chart adds each worker's `--data-parallel-start-rank` (its index x `ranksPerNode`).
+    """
     profile = model.profile
     assert profile is not None and model.engines
-    gpus = len(model.engines[0].gpus)
+    gpus = profile.gpus_per_node if profile.device == "gpu" else 0
+    argv = engine_argv(
+        profile,
+        host="0.0.0.0",
+        port=SERVICE_PORT,
+        launcher="image",
+        model=model_argument(profile),
+        kv_events_port=KV_EVENTS_PORT,
+    )
+    multi_node: dict[str, Any] = {}
+    if profile.nodes > 1:
+        if profile.kv_events:
+            raise HelmError(f"{profile.name}: KV events of an engine over several nodes are not rendered")
+        head = engine_argv(profile, host=None, port=None, launcher="image", model=model_argument(profile))
+        multi_node = {
+            "ranksPerNode": profile.data_parallel_size_local,
+            "workerArgs": head + ["--headless", "--data-parallel-address", LWS_LEADER_ADDRESS],
+        }
+        argv = argv + node_flags(profile, 0, LWS_LEADER_ADDRESS)
     return {
         "name": slug(model.name),
         "model": model.name,
@@ -72,16 +100,11 @@ def engine_values(model: PlannedModel) -> dict[str, Any]:
         "device": profile.device,
         "replicas": len(model.engines),
         "image": VLLM_GPU_IMAGE if profile.device == "gpu" else VLLM_CPU_IMAGE,
-        "args": engine_argv(
-            profile,
-            host="0.0.0.0",
-            port=SERVICE_PORT,
-            launcher="image",
-            model=model_argument(profile),
-            kv_events_port=KV_EVENTS_PORT,
-        ),
+        "args": argv,
         "env": {"HF_HOME": HF_HOME, **profile.env},
         "gpus": gpus,
+        "nodes": profile.nodes,
+        **multi_node,
         "startupSeconds": STARTUP_SECONDS[profile.device],
     }
 
@@ -129,7 +152,7 @@ def render_file(models: Sequence[ModelEngines], *, config: Path, shutdown_grace:
     plan = plan_deployment(models, config=config, placement="services")
     values = render_values(plan, config=config, shutdown_grace=shutdown_grace)
     header = files.header(config, make="make helm-values", command="helm-values")
-    gpus = sum(e["gpus"] * e["replicas"] for e in values["engines"])
+    gpus = sum(e["gpus"] * e["nodes"] * e["replicas"] for e in values["engines"])
     if gpus:
         header += f"# NVIDIA GPUs requested in the cluster: {gpus}.\n"
     return header + files.dump(values)

@@ -50,6 +50,30 @@ def kv_events_options(profile: Profile, port: int | None) -> dict[str, Any]:
     }
 
 
+# Where an engine over several nodes finds its leader: Kubernetes expands $(VAR) in a container's
+# arguments from its environment, where LeaderWorkerSet puts the group leader's DNS name.
+LWS_LEADER_ADDRESS = "$(LWS_LEADER_ADDRESS)"
+
+
+def node_flags(profile: Profile, node: int, leader_address: str) -> list[str]:
+    """What node `node` (0: the leader) of an engine over several nodes adds to the profile's flags.
+
+    vLLM's own multi-node data parallel: every node runs `data-parallel-size-local` ranks and
+    reaches the leader at `data-parallel-address` (its handshake on `data-parallel-rpc-port`);
+    the leader runs the API server, which waits for the engines of every node before it
+    answers; the others run `--headless` from rank `node x data-parallel-size-local` on.
+    A single-node profile adds nothing.
+    """
+    if profile.nodes == 1:
+        return []
+    if not 0 <= node < profile.nodes:
+        raise ValueError(f"{profile.name}: node {node} of an engine over {profile.nodes} nodes")
+    flags = ["--data-parallel-address", leader_address]
+    if node:
+        flags += ["--data-parallel-start-rank", str(node * profile.data_parallel_size_local), "--headless"]
+    return flags
+
+
 def model_argument(profile: Profile) -> str:
     """What vLLM is told to load: the absolute folder for a local model, else the hub id."""
     path = profile.model_path

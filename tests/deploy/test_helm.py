@@ -6,7 +6,10 @@ validates values against values.schema.json and renders it, for a matrix of valu
 parallel 2, autoscaling on, with and without the Prometheus Operator's API); every rendered
 core object goes through `kubernetes-validate --strict` for each supported Kubernetes version.
 Custom resources (ServiceMonitor, PodMonitor, PrometheusRule, ScaledObject) have no schema
-there: they are checked for what the chart promises, and the alert rules with promtool.
+there: they are checked for what the chart promises, and the alert rules with promtool. An engine
+over several nodes is a LeaderWorkerSet: checked against charts/schemas/leaderworkerset.x-k8s.io_v1
+.schema.json (written from the LWS API reference; no registry package ships the CRD), with each of
+its pod templates wrapped in a core PodTemplate for `kubernetes-validate --strict`.
 """
 
 from __future__ import annotations
@@ -39,7 +42,10 @@ GPU_CONFIG = ROOT / "configs/gateway.gpu.yaml"
 # The chart's kubeVersion is >=1.29; kubernetes-validate ships schemas up to 1.37.
 KUBERNETES_VERSIONS = ["1.29.0", "1.31.0", "1.33.0", "1.35.0", "1.37.0"]
 PROMETHEUS_OPERATOR = "monitoring.coreos.com/v1"
-CUSTOM_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ScaledObject"}
+CUSTOM_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ScaledObject", "LeaderWorkerSet"}
+MULTI_NODE_CONFIG = ROOT / "charts/examples/deepseek-v3-two-nodes.gateway.yaml"
+MULTI_NODE_VALUES = ROOT / "charts/examples/values.deepseek-v3-two-nodes.yaml"
+LWS_SCHEMA = json.loads((ROOT / "charts/schemas/leaderworkerset.x-k8s.io_v1.schema.json").read_text())
 
 
 def render(
@@ -149,6 +155,10 @@ CASES = {
     "autoscaling-on": autoscaling_on,
     "secrets-and-pvc": secrets_and_cache,
     "cpu-tiny-model": cpu_tiny,
+    "deepseek-v3-one-host-dp8": lambda tmp_path: values_for(
+        write_config(tmp_path, f"models:\n  - profile: {ROOT / 'configs/profiles/deepseek-v3.yaml'}\n")
+    ),
+    "deepseek-v3-two-nodes": lambda tmp_path: values_for(MULTI_NODE_CONFIG),
 }
 MONITORING = {"monitoring-crds": (PROMETHEUS_OPERATOR,), "no-monitoring-crds": ()}
 
@@ -201,6 +211,7 @@ def test_values_come_from_the_plan_and_the_engine_renderer():
         assert engine["args"] == engine_argv(profile, host="0.0.0.0", port=8000, launcher="image")
         assert engine["replicas"] == profile.replicas == len(model.engines)
         assert engine["gpus"] == profile.tensor_parallel_size * profile.pipeline_parallel_size
+        assert engine["nodes"] == 1
     assert values["gateway"]["config"] == {"timeouts": settings.timeouts.model_dump()}
 
 
@@ -259,6 +270,8 @@ def test_engines_get_their_profile_gpus_args_probes_and_volumes(case, api_versio
     _, values = case
     objects = render(values, api_versions=api_versions)
     for engine in values["engines"]:
+        if engine["nodes"] > 1:
+            continue  # a LeaderWorkerSet: test_an_engine_over_two_nodes_is_one_leader_worker_group
         name = f"llm-llm-serving-{engine['name']}"
         deployment = named(objects, "Deployment", name)
         pod = deployment["spec"]["template"]["spec"]
@@ -269,7 +282,8 @@ def test_engines_get_their_profile_gpus_args_probes_and_volumes(case, api_versio
         if engine["device"] == "gpu":
             tp = int(_flag(engine["args"], "--tensor-parallel-size", "1"))
             pp = int(_flag(engine["args"], "--pipeline-parallel-size", "1"))
-            assert limits["nvidia.com/gpu"] == tp * pp == engine["gpus"]
+            dp = int(_flag(engine["args"], "--data-parallel-size", "1"))
+            assert limits["nvidia.com/gpu"] == tp * pp * dp == engine["gpus"]
             assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
         else:
             assert "nvidia.com/gpu" not in limits
@@ -323,7 +337,8 @@ def test_the_gateway_config_map_is_a_config_the_gateway_loads(case, tmp_path):
     expected: dict[str, list[str]] = {}
     for model in values["gateway"]["models"]:
         if "engine" in model:
-            service = f"llm-llm-serving-{model['engine']}"
+            (engine,) = [e for e in values["engines"] if e["name"] == model["engine"]]
+            service = f"llm-llm-serving-{model['engine']}" + ("-leader" if engine["nodes"] > 1 else "")
             assert service in services
             expected.setdefault(model["name"], []).append(f"dns {service}:8000")  # its headless Service
         elif "dns" in model:  # names of its own, as the config wrote them
@@ -545,6 +560,7 @@ def full_valid_values() -> dict[str, Any]:
     values["nodeSelector"] = {"gpu": "a100"}
     values["tolerations"] = [{"key": "dedicated", "operator": "Exists"}]
     values["monitoring"]["labels"] = {"release": "prom"}
+    values["engines"] += yaml.safe_load(MULTI_NODE_VALUES.read_text())["engines"]  # subjects of the multi-node keys
     return values
 
 
@@ -609,3 +625,152 @@ def test_a_value_that_breaks_a_schema_rule_is_refused_with_its_key_named(rule, p
     with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError) as refused:
         chart.render(values, name="llm")
     assert f"at '{pointer}'" in str(refused.value), str(refused.value)
+
+
+# -- an engine over several nodes: LeaderWorkerSet ------------------------------------------------
+
+
+def test_the_committed_multi_node_example_equals_a_fresh_rendering(tmp_path, capsys):
+    args = ["helm-values", "--config", str(MULTI_NODE_CONFIG), "--output"]
+    assert cli_main([*args, str(MULTI_NODE_VALUES), "--check"]) == 0, capsys.readouterr().err
+    drifted = tmp_path / "values.yaml"
+    drifted.write_text(MULTI_NODE_VALUES.read_text().replace("ranksPerNode: 8", "ranksPerNode: 4"))
+    assert cli_main([*args, str(drifted), "--check"]) == 1
+    assert "+  ranksPerNode: 8" in capsys.readouterr().err
+
+
+def lws_problems(obj: dict[str, Any], version: str) -> list[str]:
+    """What the LeaderWorkerSet schema and Kubernetes' PodTemplateSpec schema say against `obj`."""
+    import jsonschema
+
+    problems = [error.message for error in jsonschema.Draft7Validator(LWS_SCHEMA).iter_errors(obj)]
+    group = obj.get("spec", {}).get("leaderWorkerTemplate", {})
+    for key in ("leaderTemplate", "workerTemplate"):
+        if key in group:
+            wrapped = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": group[key]}
+            try:
+                kubernetes_validate.validate(wrapped, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                problems.append(f"{key}: {exc}")
+    return problems
+
+
+def test_leader_worker_sets_validate_against_their_schema_and_kubernetes(api_versions):
+    values = values_for(MULTI_NODE_CONFIG)
+    for version in KUBERNETES_VERSIONS:
+        (lws,) = by_kind(render(values, api_versions=api_versions, kube_version=version), "LeaderWorkerSet")
+        assert lws_problems(lws, version) == []
+
+
+@pytest.mark.parametrize(
+    ("where", "bad", "expected"),
+    [
+        (("spec", "leaderWorkerTemplate", "restartPolicy"), "Always", "is not one of"),
+        (("spec", "leaderWorkerTemplate", "size"), 0, "less than the minimum"),
+        (("spec", "leaderWorkerTemplate", "sizes"), 2, "Additional properties"),
+        (("spec", "startupPolicy"), "WorkersFirst", "is not one of"),
+        (("spec", "rolloutStrategy", "rollingUpdateConfiguration", "maxSurge"), "one", "does not match"),
+        (
+            ("spec", "leaderWorkerTemplate", "workerTemplate", "spec", "containers", 0, "imagePullPolicies"),
+            "x",
+            "workerTemplate",
+        ),
+        (
+            (
+                "spec",
+                "leaderWorkerTemplate",
+                "leaderTemplate",
+                "spec",
+                "containers",
+                0,
+                "readinessProbe",
+                "httpGet",
+                "port",
+            ),
+            [1],
+            "leaderTemplate",
+        ),
+    ],
+)
+def test_the_leader_worker_set_checks_can_fail(where, bad, expected):
+    (lws,) = by_kind(render(values_for(MULTI_NODE_CONFIG)), "LeaderWorkerSet")
+    broken = set_at(lws, where, bad)
+    problems = lws_problems(broken, KUBERNETES_VERSIONS[-1])
+    assert any(expected in problem for problem in problems), problems
+
+
+def test_an_engine_over_two_nodes_is_one_leader_worker_group():
+    values = values_for(MULTI_NODE_CONFIG)
+    (engine,) = values["engines"]
+    objects = render(values, api_versions=(PROMETHEUS_OPERATOR,))
+    assert not [
+        o for o in by_kind(objects, "Deployment") if o["metadata"]["labels"]["app.kubernetes.io/component"] == "engine"
+    ]
+    lws = named(objects, "LeaderWorkerSet", "llm-llm-serving-deepseek-v3")
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert group["size"] == engine["nodes"] == 2
+    assert group["restartPolicy"] == "RecreateGroupOnPodRestart"  # a lost node restarts the whole engine
+    assert lws["spec"]["replicas"] == 1
+    (leader,) = group["leaderTemplate"]["spec"]["containers"]
+    (worker,) = group["workerTemplate"]["spec"]["containers"]
+    assert leader["resources"]["limits"]["nvidia.com/gpu"] == worker["resources"]["limits"]["nvidia.com/gpu"] == 8
+    # The leader: the API server and ranks 0-7, pointed at itself; drains as a single engine does.
+    assert _flag(leader["args"], "--data-parallel-address", "") == "$(LWS_LEADER_ADDRESS)"
+    assert _flag(leader["args"], "--data-parallel-size", "") == "16"
+    assert "--headless" not in leader["args"] and "--shutdown-timeout" in leader["args"]
+    assert leader["readinessProbe"]["httpGet"]["path"] == "/health"  # vLLM answers once every node's engines started
+    assert leader["startupProbe"]["httpGet"]["path"] == "/health"
+    # A worker: headless, its ranks after the leader's, ready when the leader is.
+    assert worker["command"][:2] == ["/bin/sh", "-c"]
+    assert "--data-parallel-start-rank $((LWS_WORKER_INDEX * 8))" in worker["command"][2]
+    assert worker["command"][2].startswith('exec vllm serve "$@"')
+    assert worker["args"] == engine["workerArgs"] and "--headless" in worker["args"]
+    assert _flag(worker["args"], "--data-parallel-address", "") == "$(LWS_LEADER_ADDRESS)"
+    assert "ports" not in worker and "startupProbe" not in worker
+    probe = " ".join(worker["readinessProbe"]["exec"]["command"])
+    assert 'os.environ["LWS_LEADER_ADDRESS"]' in probe and ":8000/health" in probe
+    # One Service for the group: its leaders only; the gateway resolves it.
+    service = named(objects, "Service", "llm-llm-serving-deepseek-v3-leader")
+    assert service["spec"]["clusterIP"] == "None"
+    leader_labels = group["leaderTemplate"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= leader_labels.items()
+    assert not service["spec"]["selector"].items() <= group["workerTemplate"]["metadata"]["labels"].items()
+    config = yaml.safe_load(named(objects, "ConfigMap", "llm-llm-serving-gateway")["data"]["gateway.yaml"])
+    assert config["models"][0]["dns"] == ["llm-llm-serving-deepseek-v3-leader:8000"]
+    # The engines' PodMonitor scrapes the leader (the workers have no port to scrape).
+    (pod_monitor,) = by_kind(objects, "PodMonitor")
+    assert pod_monitor["spec"]["selector"]["matchLabels"].items() <= leader_labels.items()
+
+
+def test_autoscaling_targets_the_leader_worker_set():
+    values = values_for(MULTI_NODE_CONFIG)
+    values["autoscaling"] = {"enabled": True}
+    objects = render(values)
+    (scaled,) = by_kind(objects, "ScaledObject")
+    assert scaled["spec"]["scaleTargetRef"] == {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "name": "llm-llm-serving-deepseek-v3",
+    }
+    assert "replicas" not in named(objects, "LeaderWorkerSet", "llm-llm-serving-deepseek-v3")["spec"]
+
+
+def test_one_host_data_parallel_is_one_pod_with_every_gpu(tmp_path):
+    config = write_config(tmp_path, f"models:\n  - profile: {ROOT / 'configs/profiles/deepseek-v3.yaml'}\n")
+    (engine,) = values_for(config)["engines"]
+    assert (engine["nodes"], engine["gpus"]) == (1, 8)  # DP=8 x TP=1 on one host: not 1 GPU
+    assert "workerArgs" not in engine and "--data-parallel-address" not in engine["args"]
+
+
+def test_multi_node_engines_that_cannot_be_rendered_are_refused(tmp_path, capsys):
+    profile = (ROOT / "configs/profiles/deepseek-v3-two-nodes.yaml").read_text()
+    config = write_config(tmp_path, "models:\n  - profile: p.yaml\n", p=profile + "kv_events: true\n")
+    assert cli_main(["helm-values", "--config", str(config)]) == 2
+    assert "KV events of an engine over several nodes" in capsys.readouterr().err
+    config = write_config(
+        tmp_path,
+        "models:\n  - profile: q.yaml\n",
+        q=profile.replace("data-parallel-size-local: 8", "data-parallel-size-local: 3"),
+    )
+    with pytest.raises(Exception, match="does not divide data-parallel-size 16"):
+        values_for(config)

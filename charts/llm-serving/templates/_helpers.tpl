@@ -12,6 +12,18 @@
 {{- printf "%s-%s" (include "llm-serving.fullname" .root) .engine | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* The headless Service the gateway resolves for an engine: its Deployment's name, or for an engine
+     over several nodes (a LeaderWorkerSet, whose own Service has its name) <name>-leader, the group
+     leaders only; call with (dict "root" $ "engine" ENGINE-VALUES). */}}
+{{- define "llm-serving.engineServiceName" -}}
+{{- $name := include "llm-serving.engineName" (dict "root" .root "engine" .engine.name) }}
+{{- if gt (int (.engine.nodes | default 1)) 1 -}}
+{{- printf "%s-leader" ($name | trunc 56 | trimSuffix "-") -}}
+{{- else -}}
+{{- $name -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "llm-serving.gatewayName" -}}
 {{- printf "%s-gateway" (include "llm-serving.fullname" .) -}}
 {{- end -}}

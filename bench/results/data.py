@@ -45,6 +45,12 @@ def share_vs_oracle(run: dict[str, Any], label: str) -> list[float]:
     return [goals[key]["share_vs_oracle"] for key in sorted(goals) if key.startswith(f"{label} (round")]
 
 
+def share_of_oracle(run: dict[str, Any], label: str) -> list[float]:
+    """Any policy's cached share over the oracle's in the same round, from the phases' own shares."""
+    by = {(r["label"], r["round"]): r["cached_share"] for r in run["results"]}
+    return [by[(label, n)] / by[("oracle", n)] for (name, n) in sorted(by) if name == label and ("oracle", n) in by]
+
+
 def p90_vs(run: dict[str, Any], label: str, base: str) -> list[float]:
     by = {(r["label"], r["round"]): r for r in run["results"]}
     rounds = sorted({r for (_, r) in by})

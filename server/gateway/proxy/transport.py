@@ -1,4 +1,4 @@
-"""The HTTP client transport to engines: HTTP/1.1 keep-alive on asyncio, parsed by httptools.
+"""The HTTP client transport to engines: the gateway's side of `http1` (HTTP/1.1 keep-alive on asyncio).
 
 Why not httpx's default transport: httpcore's connection pool rescans every connection (and
 polls each idle socket) whenever a request starts or ends, which is quadratic in the number of
@@ -7,18 +7,16 @@ direct throughput), and its pure-Python HTTP parser plus half a dozen generator 
 more per streamed chunk than everything else the gateway does. The proxy calls its `post()`
 directly (no httpx Request/Response objects per request); other code uses it as an httpx
 transport (`httpx.AsyncClient(transport=UpstreamTransport(...))`). Either way it raises httpx's
-exceptions, and underneath:
+exceptions (`http1`'s are translated in one place, `_httpx_error`), and underneath is `http1`:
 
-- one `asyncio.Protocol` per connection (connection.py); httptools (the C parser uvicorn uses)
-  turns bytes into status, headers and body chunks; the request goes out in a single write;
-- per origin a LIFO list of idle keep-alive connections (take and give back are O(1); closed or
-  expired ones are dropped when taken) and a semaphore bounding the open connections;
-- a pooled connection that fails before any answer is retried once on a fresh one (the engine
-  closed it while it was idle; the request never reached it);
+- one `http1.Connection` (an asyncio protocol) per connection; httptools turns bytes into
+  status, headers and body chunks; the request goes out in a single write;
+- an `http1.Pool`: per engine a LIFO list of idle keep-alive connections and a bound on the
+  open ones; a pooled connection that fails before any answer is retried once on a fresh one;
 - no timer per read unless the request asks for a read timeout (the proxy keeps its own
   deadlines); a body the caller does not drain makes the connection pause reading;
-- a body can be spliced (`_Body.splice`, connection.py): each chunk goes to the caller's sink
-  from the protocol's own callback as httptools parses it, with no future or task step per chunk.
+- a body can be spliced (`_Body.splice`): each chunk goes to the caller's sink from the
+  protocol's own callback as httptools parses it, with no future or task step per chunk.
 
 HTTP/1.1 requests whose answers have a body (POST; GET of a stored response, and the health
 checks, model cards and `/metrics` scrapes; no HEAD): that is what engines speak. An answer
@@ -28,67 +26,44 @@ interface the proxy sees is `proxy.upstream.Upstream`.
 
 from __future__ import annotations
 
-import asyncio
 import ssl
-import time
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from server.gateway.proxy.connection import Connection
+import http1
 
 _DEFAULT_PORTS = {b"http": 80, b"https": 443}
 _HOP_BY_HOP = frozenset({b"transfer-encoding", b"content-length", b"connection"})
+
+_Origin = http1.Origin  # the connections to one engine (its bound and its idle ones), by its old name
 
 
 @dataclass(frozen=True, slots=True)
 class Target:
     """Where `UpstreamTransport.post` sends: the origin and the request line, computed once."""
 
-    key: tuple[bytes, bytes, int]
-    host: str
+    key: http1.Key  # host, port, TLS
     request_line: bytes  # b"POST /v1/... HTTP/1.1\r\nhost: ...\r\n"
 
 
-class _Origin:
-    """The connections to one engine: idle ones (LIFO) and a bound on how many are open.
+def _httpx_error(exc: http1.Http1Error, request: httpx.Request | None) -> httpx.HTTPError:
+    """`http1`'s error as the httpx error the proxy's failure table (proxy.failures) knows."""
+    message = str(exc)
+    if isinstance(exc, http1.ConnectTimeout):
+        return httpx.ConnectTimeout(message, request=request)
+    if isinstance(exc, http1.ConnectError):
+        return httpx.ConnectError(message, request=request)
+    if isinstance(exc, http1.ReadTimeout):
+        return httpx.ReadTimeout(message, request=request)
+    return httpx.RemoteProtocolError(message, request=request)
 
-    The bound is a counter and a FIFO of waiters (an asyncio.Semaphore's semantics): a request
-    under the bound takes a slot without a coroutine or a lock's bookkeeping; one over it waits its turn.
-    """
 
-    __slots__ = ("free", "idle", "waiters")
-
-    def __init__(self, max_connections: int) -> None:
-        self.idle: list[Connection] = []
-        self.free = max_connections
-        self.waiters: deque[asyncio.Future[None]] = deque()
-
-    async def wait_for_slot(self) -> None:
-        """Wait until `release` hands this request a slot (called when `free` is 0)."""
-        waiter = asyncio.get_running_loop().create_future()
-        self.waiters.append(waiter)
-        try:
-            await waiter
-        except BaseException:
-            if waiter.done() and not waiter.cancelled():
-                self.release()  # handed a slot just as it was cancelled: pass it on
-            elif waiter in self.waiters:  # (a release may have dropped it already, cancelled)
-                self.waiters.remove(waiter)
-            raise
-
-    def release(self) -> None:
-        """A request gave its slot back: to the first waiter still waiting, else to the counter."""
-        waiters = self.waiters
-        while waiters:
-            waiter = waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
-        self.free += 1
+def _origin_key(url: httpx.URL) -> http1.Key:
+    scheme = url.raw_scheme
+    return url.raw_host.decode("ascii"), url.port or _DEFAULT_PORTS.get(scheme, 80), scheme == b"https"
 
 
 class _Body(httpx.AsyncByteStream):
@@ -98,10 +73,13 @@ class _Body(httpx.AsyncByteStream):
     was not read whole (which is how the engine learns that nobody is listening any more).
     """
 
-    def __init__(self, connection: Connection, origin: _Origin, read_timeout: float | None) -> None:
+    def __init__(
+        self, connection: http1.Connection, pool: http1.Pool, read_timeout: float | None, request: httpx.Request | None
+    ) -> None:
         self._connection = connection
-        self._origin = origin
+        self._pool = pool
         self._read_timeout = read_timeout
+        self._request = request
         self._closed = False
         self.status_code = connection.status
         self.headers = connection.headers
@@ -111,34 +89,36 @@ class _Body(httpx.AsyncByteStream):
 
     async def read_chunk(self) -> bytes:
         """The body bytes that arrived since the last call; b"" at the end."""
-        return await self._connection.read_chunk(self._read_timeout)
+        try:
+            return await self._connection.read_chunk(self._read_timeout)
+        except http1.Http1Error as exc:
+            raise _httpx_error(exc, self._request) from None
 
     async def splice(
         self, sink: Callable[[bytes], None], flush: Callable[[], bool], drain: Callable[[], Awaitable[None]]
     ) -> None:
-        """The rest of the body, each chunk to `sink` as it is parsed (see `Connection.splice`)."""
-        await self._connection.splice(sink, flush, drain)
+        """The rest of the body, each chunk to `sink` as it is parsed (see `http1.Connection.splice`)."""
+        try:
+            await self._connection.splice(sink, flush, drain)
+        except http1.Http1Error as exc:
+            raise _httpx_error(exc, self._request) from None
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         read_chunk, timeout = self._connection.read_chunk, self._read_timeout
-        while True:
-            data = await read_chunk(timeout)
-            if not data:
-                return
-            yield data
+        try:
+            while True:
+                data = await read_chunk(timeout)
+                if not data:
+                    return
+                yield data
+        except http1.Http1Error as exc:
+            raise _httpx_error(exc, self._request) from None
 
     async def aclose(self) -> None:
         if self._closed:
             return
         self._closed = True
-        connection = self._connection
-        if connection.reusable():
-            connection.idle_since = time.monotonic()
-            connection.request = None
-            self._origin.idle.append(connection)
-        else:
-            connection.close()
-        self._origin.release()
+        self._pool.release(self._connection)
 
 
 class UpstreamTransport(httpx.AsyncBaseTransport):
@@ -149,54 +129,25 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
     ) -> None:
         self.max_connections = max_connections
         self.keepalive_expiry = keepalive_expiry
-        self.ssl_context = ssl_context
-        self._origins: dict[tuple[bytes, bytes, int], _Origin] = {}
+        self._pool = http1.Pool(
+            max_connections=max_connections, keepalive_expiry=keepalive_expiry, ssl_context=ssl_context
+        )
+
+    @property
+    def _origins(self) -> dict[http1.Key, http1.Origin]:
+        return self._pool.origins
 
     def idle_connections(self) -> int:
         """Keep-alive connections waiting in the pool (for tests and diagnostics)."""
-        return sum(len(o.idle) for o in self._origins.values())
-
-    def _take_idle(self, origin: _Origin) -> Connection | None:
-        now = time.monotonic()
-        while origin.idle:
-            connection = origin.idle.pop()
-            transport = connection.transport
-            if (
-                not connection.closed
-                and transport is not None
-                and not transport.is_closing()
-                and now - connection.idle_since < self.keepalive_expiry
-            ):
-                return connection
-            connection.close()
-        return None
-
-    async def _connect(
-        self, scheme: bytes, host: str, port: int, timeout: float | None, request: httpx.Request | None
-    ) -> Connection:
-        loop = asyncio.get_running_loop()
-        tls = scheme == b"https"
-        context = (self.ssl_context or ssl.create_default_context()) if tls else None
-        try:
-            async with asyncio.timeout(timeout):
-                _, connection = await loop.create_connection(
-                    lambda: Connection(loop), host, port, ssl=context, server_hostname=host if tls else None
-                )
-        except TimeoutError:
-            raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out", request=request) from None
-        except OSError as exc:
-            raise httpx.ConnectError(f"{host}:{port}: {exc.strerror or exc}", request=request) from None
-        return connection
+        return self._pool.idle_connections()
 
     def target(self, url: str, method: str = "POST") -> Target:
         """`method url` parsed once, for `post`."""
         parsed = httpx.URL(url)
-        scheme, host = parsed.raw_scheme, parsed.raw_host
-        port = parsed.port or _DEFAULT_PORTS.get(scheme, 80)
-        host_header = host if parsed.port is None else host + b":" + str(port).encode()
+        host = parsed.raw_host
+        host_header = host if parsed.port is None else host + b":" + str(parsed.port).encode()
         return Target(
-            (scheme, host, port),
-            host.decode("ascii"),
+            _origin_key(parsed),
             method.encode("ascii") + b" " + parsed.raw_path + b" HTTP/1.1\r\nhost: " + host_header + b"\r\n",
         )
 
@@ -215,23 +166,14 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         for name, value in headers:
             lines += [name, b": ", value, b"\r\n"]
         lines += [b"content-length: ", str(len(body)).encode(), b"\r\n\r\n"]
-        return await self._exchange(target.key, target.host, b"".join(lines), body, connect_timeout, read_timeout, None)
+        return await self._exchange(target.key, b"".join(lines), body, connect_timeout, read_timeout, None)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         """The same, for an httpx.AsyncClient built on this transport (health checks, /tokenize)."""
-        url = request.url
-        scheme, host = url.raw_scheme, url.raw_host
-        port = url.port or _DEFAULT_PORTS.get(scheme, 80)
         timeouts: dict[str, Any] = request.extensions.get("timeout", {})
         head, body = await _serialize(request)
         answer = await self._exchange(
-            (scheme, host, port),
-            host.decode("ascii"),
-            head,
-            body,
-            timeouts.get("connect"),
-            timeouts.get("read"),
-            request,
+            _origin_key(request.url), head, body, timeouts.get("connect"), timeouts.get("read"), request
         )
         return httpx.Response(
             status_code=answer.status_code,
@@ -242,48 +184,23 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
 
     async def _exchange(
         self,
-        key: tuple[bytes, bytes, int],
-        host: str,
+        key: http1.Key,
         head: bytes,
         body: bytes,
         connect_timeout: float | None,
         read_timeout: float | None,
         request: httpx.Request | None,
     ) -> _Body:
-        origin = self._origins.get(key)
-        if origin is None:
-            origin = self._origins[key] = _Origin(self.max_connections)
-        if origin.free:
-            origin.free -= 1
-        else:
-            await origin.wait_for_slot()
-        connection = None
         try:
-            connection = self._take_idle(origin)
-            reused = connection is not None
-            while True:
-                if connection is None:
-                    connection = await self._connect(key[0], host, key[2], connect_timeout, request)
-                connection.send(request, head, body)
-                try:
-                    await connection.read_head(read_timeout)
-                    break
-                except httpx.RemoteProtocolError:
-                    connection.close()
-                    if not reused or connection.received:
-                        raise
-                    connection, reused = None, False  # it went stale in the pool: once more, fresh
-        except BaseException:
-            if connection is not None:
-                connection.close()
-            origin.release()
-            raise
-        return _Body(connection, origin, read_timeout)
+            connection = await self._pool.request(
+                key, head, body, connect_timeout=connect_timeout, read_timeout=read_timeout
+            )
+        except http1.Http1Error as exc:
+            raise _httpx_error(exc, request) from None
+        return _Body(connection, self._pool, read_timeout, request)
 
     async def aclose(self) -> None:
-        for origin in self._origins.values():
-            while origin.idle:
-                origin.idle.pop().close()
+        await self._pool.aclose()
 
 
 async def _serialize(request: httpx.Request) -> tuple[bytes, bytes]:

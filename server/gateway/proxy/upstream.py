@@ -3,8 +3,9 @@
 The proxy posts through `Upstream.post` and reads an `UpstreamResponse` whole, or chunk by
 chunk into a synchronous sink (`splice`: the gateway's transport calls it from its protocol
 callback, with no task step per chunk). The gateway's own `proxy.transport.UpstreamTransport`
-implements it without httpx objects on the hot path; `ClientUpstream` adapts any
-`httpx.AsyncClient` (one a caller injects, in tests).
+implements it on `http1` (the HTTP/1.1 client package the load tester and the benches share)
+without httpx objects on the hot path; `ClientUpstream` adapts any `httpx.AsyncClient` (one a
+caller injects, in tests).
 """
 
 from __future__ import annotations

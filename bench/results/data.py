@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 RESULTS = DOCS / "results"
 GATEWAY_RUNS = RESULTS / "data" / "gateway-runs.json"
+CAPPED_015 = DOCS / "bench" / "workers-capped-0.15" / "workers.json"  # the one run at 0.15 of a core
 ROUTING = ROOT / "loadtest" / "results" / "cache-aware-routing"
 OVERHEAD = ROOT / "loadtest" / "results" / "client-overhead" / "overhead.json"
 TRIMMING = ROOT / "loadtest" / "results" / "watermark-trimming" / "itinerary"

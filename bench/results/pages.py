@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bench.results.data import (
+    CAPPED_015,
     LOADS,
     OVERHEAD_COMMITS,
     RESULTS,
@@ -74,6 +76,7 @@ def gateway_runs_page() -> str:
     capped = [r for r in runs if "capped_ceiling_ratio" in r["figures"] and r["figures"].get("cap") == 0.2]
     ttft_side = [r for r in runs if "added_ttft_side_by_side_x1_minus_router_ms" in r["figures"]]
     dirty = [r["id"] for r in runs if r["dirty"]]
+    capped_015 = json.loads(CAPPED_015.read_text())
     out = [GENERATED, "", "# The gateway beside vllm-router: every run", ""]
     out += [
         "Every run of `bench.workers_bench` (and one of `bench.answer_length`) from the relay work of 30 November",
@@ -123,7 +126,8 @@ def gateway_runs_page() -> str:
         + f"**; {sum(r['figures']['capped_ceiling_ratio'] >= 1.8 for r in capped)} of {len(capped)} reach 1.8x. "
         "The windows run one after the other, so the machine's drift is in each ratio, and the relay code",
         "changed between these runs (the ratio is about the quota, not the relay). At 0.15 of a core:",
-        "1.67x in one run ([capped at 0.15](../bench/workers-capped-0.15/workers.md), dirty tree).",
+        f"{ratio(capped_015['ratios']['ceiling_x2_vs_x1_capped'])} in one run"
+        f" ([capped at 0.15](../bench/workers-capped-0.15/workers.md), {capped_015['commit']}).",
         "",
         "## Every run",
         "",

@@ -80,7 +80,7 @@ format: install ## Apply ruff's formatting and safe fixes
 
 # The docs site (mkdocs.yml, docs/): --strict turns a missing page, file or anchor into a failure.
 docs: install ## Build the docs site with mkdocs --strict into .cache/site (a broken link or anchor fails)
-	$(BIN)/mkdocs build --strict --site-dir .cache/site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir .cache/site
 
 test: install prometheus lint docs $(DCLINT_STAMP) ## Lint and type check, build the docs, then the whole test suite (starts one real vLLM engine)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -5,8 +5,8 @@
 times every network read by its arrival, and turns every way of failing into one error kind of
 `loadtest.records` (translated in one place, `_classify`).
 
-The HTTP machinery is `loadtest.transport.HTTPClient` (asyncio + httptools, chunks stamped in
-the socket's read callback), chosen by measurement (`loadtest.selfcheck`); an
+The HTTP machinery is `loadtest.transport.HTTPClient` (on `http1`, asyncio + httptools, chunks
+stamped in the socket's read callback), chosen by measurement (`loadtest.selfcheck`); an
 `httpx.AsyncClient` still works (`--http-client httpx`), read through a small adapter.
 """
 

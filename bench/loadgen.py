@@ -1,9 +1,10 @@
 """A lean closed-loop load generator for streaming chat completions, run as its own process.
 
 Each of `concurrency` workers keeps one keep-alive HTTP/1.1 connection and sends the same streaming
-request again as soon as the previous answer ended. The client is a hand-written asyncio Protocol
-(on uvloop when installed) that only de-chunks the body and counts SSE events, so that one core
-can drive hundreds of streams and the proxy under test, not the client, is what gets measured.
+request again as soon as the previous answer ended. The client is `http1` (asyncio + httptools,
+on uvloop when installed), the client the gateway and the load tester use, with a sink that only
+counts SSE events, so that one core can drive hundreds of streams and the proxy under test, not
+the client, is what gets measured.
 
 What it records inside the measurement window (after a warm-up):
 - time to first token: from writing the request to the arrival of the first content event (for a
@@ -29,6 +30,7 @@ import sys
 import time
 from urllib.parse import urlsplit
 
+import http1
 from bench.proctree import cores_busy_seconds, tree_cpu_split
 
 EVENT_END = b"\n\n"
@@ -50,103 +52,36 @@ class _Response:
         self.body_error = False
 
 
-class _Connection(asyncio.Protocol):
-    """One HTTP/1.1 keep-alive connection running one request at a time; counts SSE events."""
+class _Connection(http1.Connection):
+    """One HTTP/1.1 keep-alive connection running one request at a time; counts SSE events.
+
+    http1 does the framing; the body is spliced into `_body` chunk by chunk as httptools parses it
+    (no task step per chunk), and each read is stamped on arrival (the first token's time).
+    """
 
     def __init__(self, stats: _Counters, first_token_event: int):
+        super().__init__(clock=time.perf_counter)
         self.stats = stats
         self.first_token_event = first_token_event
-        self.transport: asyncio.Transport | None = None
-        self.closed = False
-        self.waiter: asyncio.Future | None = None
         self.response: _Response | None = None
-        self._reset_parser()
+        self.tail = b""  # the last bytes of the body seen, to count event ends split across reads
 
-    def _reset_parser(self) -> None:
-        self.buffer = b""
-        self.in_head = True
-        self.chunked = False
-        self.remaining = 0  # content-length bytes left, or bytes left in the current chunk
-        self.chunk_trailer = False  # expecting the CRLF after a chunk's data
-        self.tail = b""  # the last byte of the body seen, to count event ends split across reads
-        self.keep_alive = True
-
-    # -- asyncio.Protocol --
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-
-    def connection_lost(self, exc) -> None:
-        self.closed = True
-        if self.waiter is not None and not self.waiter.done():
-            self.response.error = "connection closed mid-response"
-            self.waiter.set_result(self.response)
-
-    def data_received(self, data: bytes) -> None:
-        if self.response is None:
-            return
-        if self.in_head:
-            self.buffer += data
-            end = self.buffer.find(b"\r\n\r\n")
-            if end < 0:
-                return
-            head, data = self.buffer[:end], self.buffer[end + 4 :]
-            self.buffer = b""
-            self.in_head = False
-            lines = head.split(b"\r\n")
-            self.response.status = int(lines[0].split(b" ", 2)[1])
-            for line in lines[1:]:
-                name, _, value = line.partition(b":")
-                name = name.strip().lower()
-                if name == b"transfer-encoding" and b"chunked" in value.lower():
-                    self.chunked = True
-                elif name == b"content-length":
-                    self.remaining = int(value.strip())
-                elif name == b"connection" and b"close" in value.lower():
-                    self.keep_alive = False
-            if not self.chunked and self.remaining == 0:
-                self._finish()
-                return
-        if self.chunked:
-            self._chunked(data)
-        else:
-            take = data[: self.remaining]
-            self.remaining -= len(take)
-            self._body(take)
-            if self.remaining <= 0:
-                self._finish()
-
-    def _chunked(self, data: bytes) -> None:
-        buffer = self.buffer + data if self.buffer else data
-        self.buffer = b""
-        position = 0
-        size = len(buffer)
-        while position < size:
-            if self.remaining:
-                take = buffer[position : position + self.remaining]
-                self.remaining -= len(take)
-                position += len(take)
-                self._body(take)
-                if self.remaining == 0:
-                    self.chunk_trailer = True
-                continue
-            if self.chunk_trailer:
-                if size - position < 2:
-                    break
-                position += 2
-                self.chunk_trailer = False
-                continue
-            line_end = buffer.find(b"\r\n", position)
-            if line_end < 0:
-                break
-            chunk_size = int(buffer[position:line_end].split(b";", 1)[0], 16)
-            if chunk_size == 0:
-                if size < line_end + 4:
-                    break  # wait for the CRLF that ends the body (no trailers expected)
-                self._finish()
-                return
-            self.remaining = chunk_size
-            position = line_end + 2
-        self.buffer = buffer[position:]
+    async def request(self, payload: bytes) -> _Response:
+        """Send `payload` (a whole request) and read its answer; a broken connection is its `error`."""
+        response = self.response = _Response()
+        self.tail = b""
+        try:
+            self.send(payload)
+            await self.read_head()
+            response.status = self.status
+            await self.splice(self._body)
+        except http1.ProtocolError:
+            response.error = "connection closed mid-response"
+        finally:
+            self.response = None
+            if not self.reusable():
+                self.close()
+        return response
 
     def _body(self, piece: bytes) -> None:
         response = self.response
@@ -154,34 +89,18 @@ class _Connection(asyncio.Protocol):
         events = piece.count(EVENT_END) + (tail[-1:] == b"\n" and piece[:1] == b"\n")
         joined = tail + piece
         self.tail = joined[-16:]  # long enough to find `data: [DONE]` split across two reads
-        if not events or response.status != 200:
+        if not events or response is None or response.status != 200:
             return
         before = response.events
         response.events = before + events
         if before < self.first_token_event <= response.events:
-            response.first_token_at = time.perf_counter()
+            response.first_token_at = self.arrived
         if not response.done and DONE in joined:
             response.done = True
             response.events -= 1
         if ERROR_EVENT in joined:
             response.body_error = True
         self.stats.chunks += response.events - before
-
-    def _finish(self) -> None:
-        response, self.response = self.response, None
-        waiter, self.waiter = self.waiter, None
-        keep_alive = self.keep_alive
-        self._reset_parser()
-        if not keep_alive and self.transport is not None:
-            self.transport.close()
-        if waiter is not None and not waiter.done():
-            waiter.set_result(response)
-
-    def request(self, payload: bytes) -> asyncio.Future:
-        self.response = _Response()
-        self.waiter = asyncio.get_running_loop().create_future()
-        self.transport.write(payload)
-        return self.waiter
 
 
 class _Counters:
@@ -197,12 +116,11 @@ class _Counters:
 
 
 def build_request(host: str, port: int, path: str, body: dict) -> bytes:
+    """The whole streaming request (head and JSON body), built once and sent again and again."""
     data = json.dumps(body).encode()
-    head = (
-        f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
-        f"accept: text/event-stream\r\ncontent-length: {len(data)}\r\n\r\n"
-    )
-    return head.encode() + data
+    _, start = http1.request_start(f"http://{host}:{port}{path}")
+    headers = [("content-type", "application/json"), ("accept", "text/event-stream")]
+    return http1.request_head(start, headers, len(data)) + data
 
 
 async def _worker(

@@ -40,7 +40,8 @@ class Headline:
         runs = f"{len(values)} {unit}" + (f" ({self.note})" if self.note else "")
         spread = f"{self.fmt(values[0])} - {self.fmt(values[-1])}" if len(values) > 1 else "one run"
         link = f"[{self.what}]({prefix}{self.page})"
-        return [link, f"**{self.fmt(statistics.median(values))}**", spread, runs, self.commit, f"`{self.command}`"]
+        command = self.command if "`" in self.command else f"`{self.command}`"
+        return [link, f"**{self.fmt(statistics.median(values))}**", spread, runs, self.commit, command]
 
 
 def ratio(value: float) -> str:
@@ -93,7 +94,7 @@ def headlines() -> list[Headline]:
             "23edca3 - 56c0ff0 (no server/ change between)",
             "make bench",
             "results/gateway-runs.md#cpu-per-chunk-side-by-side",
-            "runs 17-19, the current relay code",
+            "runs 17-19, the relay code of 23edca3",
         ),
         Headline(
             "Added p50 time to first token over vllm-router's, side by side (4 streams)",
@@ -130,7 +131,7 @@ def headlines() -> list[Headline]:
             "a22c06e - f40eb69",
             "loadtest/results/client-overhead/bench.sh",
             "results/load-tester.md#what-the-load-tester-adds",
-            "runs 1-3",
+            "runs 1-3; the commits that added their results",
             "runs",
         ),
         Headline(
@@ -139,7 +140,7 @@ def headlines() -> list[Headline]:
             [trim["watermark"]["trimmed_cached_share"]],
             lambda v: f"{v:.3f}",
             TRIMMING_COMMIT,
-            "make run, then the command in loadtest/results/watermark-trimming/README.md",
+            "`make run`, then the `python -m loadtest` command in `loadtest/results/watermark-trimming/README.md`",
             "results/index.md#history-trimming",
             "deterministic token counts",
         ),

@@ -77,6 +77,7 @@ def gateway_runs_page() -> str:
     ttft_side = [r for r in runs if "added_ttft_side_by_side_x1_minus_router_ms" in r["figures"]]
     dirty = [r["id"] for r in runs if r["dirty"]]
     capped_015 = json.loads(CAPPED_015.read_text())
+    without_capped = [r["id"] for r in relay if r not in capped]
     out = [GENERATED, "", "# The gateway beside vllm-router: every run", ""]
     out += [
         "Every run of `bench.workers_bench` (and one of `bench.answer_length`) from the relay work of 30 November",
@@ -123,7 +124,8 @@ def gateway_runs_page() -> str:
         "worker held to 0.2 of a core by a CFS quota of its own, the engine and the load generator on core 0",
         "(goal >= 1.8x). Every run with the capped paths: **"
         + spread_text([r["figures"]["capped_ceiling_ratio"] for r in capped], ratio)
-        + f"**; {sum(r['figures']['capped_ceiling_ratio'] >= 1.8 for r in capped)} of {len(capped)} reach 1.8x. "
+        + f"**; {sum(r['figures']['capped_ceiling_ratio'] >= 1.8 for r in capped)} of {len(capped)} reach 1.8x "
+        + f"(runs {', '.join(without_capped)} ran without the capped paths). "
         "The windows run one after the other, so the machine's drift is in each ratio, and the relay code",
         "changed between these runs (the ratio is about the quota, not the relay). At 0.15 of a core:",
         f"{ratio(capped_015['ratios']['ceiling_x2_vs_x1_capped'])} in one run"

@@ -293,8 +293,12 @@ def test_a_killed_worker_is_replaced_while_16_streams_run_and_nothing_else_fails
         try:
             wait_for(lambda: len(load.open) == 16, timeout=60, what=lambda: load.open)
             wait_for(kill_while_both_stream, timeout=120, interval=0.1)
-            # Its socket is closed once it is dead: no new connection can reach it, only the others.
-            wait_for(lambda: not alive(killed), what=f"worker pid {killed} to die")
+            # Until its last thread has exited (its leader is a zombie before that), its listening
+            # socket is open and the kernel still hands it new connections, which its death then
+            # resets: they are its connections too (SO_REUSEPORT moves none to another listener
+            # unless net.ipv4.tcp_migrate_req is 1). So new ones wait until the supervisor has
+            # reaped it; from then on only the other workers' sockets take connections.
+            wait_for(lambda: not os.path.exists(f"/proc/{killed}"), what=f"worker pid {killed} to be reaped")
             load.gate.set()
 
             def served_after(worker: str, at_least: int) -> bool:
@@ -309,7 +313,10 @@ def test_a_killed_worker_is_replaced_while_16_streams_run_and_nothing_else_fails
 
         failed = [r for r in results if not r.ok]
         cut = [r for r in failed if r.worker == "0" and r.headed_at < killed_at]
-        assert failed == cut, f"{len(failed) - len(cut)} failures outside the killed worker's streams: {failed[:3]}"
+        others = [(r, r.started_at - killed_at) for r in failed if r not in cut]
+        assert not others, (
+            f"{len(others)} failures outside the killed worker's streams (seconds after the kill): {others}"
+        )
         assert 1 <= len(cut) <= cut_candidates
         assert all(r.ok for r in results if r.worker == "1")  # the other worker lost nothing, during the kill too
         assert any(r.worker == "1" and r.headed_at < killed_at for r in results)

@@ -149,6 +149,7 @@ class Streamed:
     status: int | None
     events: list[str]
     error: str | None
+    started_at: float  # time.perf_counter() before it connected
     headed_at: float  # time.perf_counter() when its head arrived (inf: never)
 
     @property
@@ -192,6 +193,7 @@ class Load:
                             self.open[i] = None
                             break
                 worker, status, text, error, headed = None, None, "", None, math.inf
+                started = time.perf_counter()
                 try:
                     body = chat_body(f"load {i}.{n}", stream=True)
                     headers = {"connection": "close"}
@@ -204,7 +206,7 @@ class Load:
                     error = repr(exc)
                 with self.lock:
                     del self.open[i]
-                    self.results.append(Streamed(worker, status, sse_events(text), error, headed))
+                    self.results.append(Streamed(worker, status, sse_events(text), error, started, headed))
 
     def stop(self) -> list[Streamed]:
         with self.lock:

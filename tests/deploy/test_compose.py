@@ -11,7 +11,7 @@ import yaml
 
 from server.cli import main as cli_main
 from server.config import SettingsError, profile_path
-from server.deploy import compose
+from server.deploy import compose, containers
 from server.deploy.plan import plan_deployment
 from server.engine.profiles import load_profile
 from server.engine.render import engine_argv
@@ -71,10 +71,10 @@ def test_engine_commands_equal_the_renderer_for_every_profile_and_replica(varian
         argv = engine_argv(profile, host="0.0.0.0", port=port, launcher="image", model=expected_model_argument(profile))
         service = services[name]
         # vLLM's drain on SIGTERM, after the renderer's flags: in-flight requests finish first.
-        assert service["command"] == [*argv, "--shutdown-timeout", str(compose.ENGINE_DRAIN_SECONDS)]
+        assert service["command"] == [*argv, "--shutdown-timeout", str(containers.ENGINE_DRAIN_SECONDS)]
         for key, value in profile.env.items():
             assert service["environment"][key] == value
-        image = compose.VLLM_GPU_IMAGE if profile.device == "gpu" else compose.VLLM_CPU_IMAGE
+        image = containers.VLLM_GPU_IMAGE if profile.device == "gpu" else containers.VLLM_CPU_IMAGE
         assert service["image"] == image
         assert service.get("deploy", {}).get("replicas") == replicas
     assert {name for name in services if name.startswith("engine-")} == set(expected)
@@ -137,7 +137,7 @@ def test_gpu_engines_reserve_their_own_gpus(variant):
     services = variant.compose_data()["services"]
     taken: list[str] = []
     for name, service in services.items():
-        if service.get("image") != compose.VLLM_GPU_IMAGE or not name.startswith("engine-"):
+        if service.get("image") != containers.VLLM_GPU_IMAGE or not name.startswith("engine-"):
             assert "resources" not in service.get("deploy", {}), name  # downloads run in the vLLM image, without GPUs
             continue
         devices = service["deploy"]["resources"]["reservations"]["devices"]
@@ -171,8 +171,8 @@ def test_engine_services_are_wired_for_a_real_host(variant):
         assert check["start_period"] in {"10m", "30m"}
     gateway = services["gateway"]
     assert gateway["depends_on"] == {name: {"condition": "service_started"} for name in engines}
-    assert gateway["command"][:3] == ["serve", "--config", compose.GATEWAY_CONFIG_IN_CONTAINER]
-    assert f"./{variant.gateway.name}:{compose.GATEWAY_CONFIG_IN_CONTAINER}:ro" in gateway["volumes"]
+    assert gateway["command"][:3] == ["serve", "--config", containers.GATEWAY_CONFIG_IN_CONTAINER]
+    assert f"./{variant.gateway.name}:{containers.GATEWAY_CONFIG_IN_CONTAINER}:ro" in gateway["volumes"]
     upstreams = [  # by URL, or by the DNS name of a scaled service (one engine per replica)
         (model["name"], url)
         for model in variant.gateway_data()["models"]

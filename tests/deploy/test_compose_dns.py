@@ -32,7 +32,7 @@ from dnslib import QTYPE, RR, A
 from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
 from server.cli import main as cli_main
-from server.deploy import compose
+from server.deploy import containers
 from standin import StandinConfig, build_app
 from tests.support import free_port, wait_for
 
@@ -241,7 +241,7 @@ def test_the_gateway_follows_the_scaled_service_through_dns_and_no_request_fails
         target: (tmp_path / "docker" / source).resolve()
         for source, target, *_ in (volume.split(":") for volume in service["volumes"])
     }
-    assert mounts[compose.GATEWAY_CONFIG_IN_CONTAINER] == tmp_path / "docker/gateway.dns.yaml"
+    assert mounts[containers.GATEWAY_CONFIG_IN_CONTAINER] == tmp_path / "docker/gateway.dns.yaml"
 
     zone = ServiceDns("engine-tiny")
     replicas: dict[str, Replica] = {}
@@ -260,7 +260,7 @@ def test_the_gateway_follows_the_scaled_service_through_dns_and_no_request_fails
 
         # The rendered gateway config as the container reads it; only the DNS server it asks
         # differs (the container's is Docker's), and it resolves more often than every 5 s.
-        gateway_config = yaml.safe_load(mounts[compose.GATEWAY_CONFIG_IN_CONTAINER].read_text())
+        gateway_config = yaml.safe_load(mounts[containers.GATEWAY_CONFIG_IN_CONTAINER].read_text())
         assert gateway_config["models"][0]["dns"] == [f"engine-tiny:{port}"]
         gateway_config["discovery"] = {"interval": 0.1, "timeout": 2, "nameservers": [nameserver]}
         gateway_config["health"] = {"interval": 0.1, "timeout": 10}

@@ -73,7 +73,6 @@ class Connection(asyncio.Protocol):
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.head_bytes = 0
-        self.begun = False
         self.head_done = False
         self.body_done = False
         self.keep_alive = False
@@ -129,20 +128,17 @@ class Connection(asyncio.Protocol):
 
     # -- httptools callbacks ---------------------------------------------------------------------
 
-    def on_message_begin(self) -> None:
-        if self.begun:
-            raise ProtocolError("a second answer to one request (this client does not pipeline)")
-        self.begun = True
-
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.head_done:
-            return  # a trailer after a chunked body: not one of the answer's headers
+            return  # a trailer after a chunked body, or a second answer: not this answer's headers
         self.head_bytes += len(name) + len(value)
         if self.head_bytes > self.max_head_bytes:
             raise ProtocolError(f"the answer's header lines are over {self.max_head_bytes} bytes")
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if self.head_done:  # (its header lines were not taken: on_header)
+            raise ProtocolError("a second answer to one request (this client does not pipeline)")
         self.status = self.parser.get_status_code()
         self.keep_alive = self.parser.should_keep_alive()
         self.head_done = True

@@ -1,9 +1,15 @@
 """The host check refuses what cannot run here, before anything starts."""
 
+import asyncio
+import sys
 from pathlib import Path
+
+import pytest
 
 from server.engine.hostcheck import HostInfo, check_profile, model_max_len
 from server.engine.profiles import load_profile, profiles_dir
+from server.engine.supervisor import EngineStartError, EngineSupervisor
+from tests.support import free_port
 
 AVX2 = HostInfo("x86_64", frozenset({"sse4_2", "avx", "avx2", "fma"}), 0)
 AVX512 = HostInfo("x86_64", frozenset({"avx2", "avx512f", "avx512_bf16"}), 0)
@@ -102,3 +108,40 @@ def test_detect_reads_this_machine(monkeypatch):
     assert host.machine
     monkeypatch.setenv("SERVER_HOST_CPU_FLAGS", "avx2, fma")
     assert HostInfo.detect().cpu_flags == {"avx2", "fma"}
+
+
+# -- AMX hosts (docs/operate/cpu-hosts.md) -------------------------------------------------------
+
+
+def test_the_embed_profile_keeps_amx_out_of_its_engine_and_runs_on_every_cpu():
+    embed = profile("tiny-embed")
+    assert embed.env["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_BF16"  # oneDNN's ceiling: no AMX
+    assert embed.vllm["dtype"] == "float32"  # vLLM's own AMX kernels are bfloat16 only
+    for host in (AVX2, AVX512, AMX):  # a ceiling: AVX2 and AMD hosts run what they have
+        assert check_profile(embed, host) == []
+
+
+def test_the_chat_profiles_leave_onednn_free_to_ask_for_amx():
+    """With bfloat16, vLLM's CPU attention runs AMX tiles on an AMX host without asking Linux for
+    the permission; oneDNN asks for it (process-wide). Capping oneDNN below AMX there would leave
+    nobody asking: every such profile keeps oneDNN uncapped."""
+    for path in sorted(profiles_dir().glob("tiny-*.yaml")):
+        tiny = load_profile(path)
+        if tiny.vllm.get("dtype") == "bfloat16":
+            assert "ONEDNN_MAX_CPU_ISA" not in tiny.env, path.name
+
+
+def test_the_embed_profiles_env_reaches_the_engine_process():
+    """The supervisor starts the engine with the profile's env: a stand-in engine prints it."""
+    embed = profile("tiny-embed")
+    probe = [sys.executable, "-c", "import os; print('oneDNN cap:', os.environ.get('ONEDNN_MAX_CPU_ISA'))"]
+
+    async def run() -> list[str]:
+        supervisor = EngineSupervisor(embed, port=free_port(), argv=probe, max_restarts=0, ready_timeout=60)
+        await supervisor.start()
+        with pytest.raises(EngineStartError):  # it printed and exited: not an engine
+            await supervisor.wait_ready()
+        await supervisor.stop()
+        return list(supervisor.last_lines)
+
+    assert "oneDNN cap: AVX512_CORE_BF16" in asyncio.run(run())

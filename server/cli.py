@@ -74,16 +74,24 @@ def engine(profile: str, *, host: str, port: int, max_restarts: int, ready_timeo
     return run_command(profile, host=host, port=port, max_restarts=max_restarts, ready_timeout=ready_timeout)
 
 
-def up(config: Path, *, host: str | None, port: int | None, workers: str | None) -> int:
+def up(config: Path, *, host: str | None, port: int | None, workers: str | None, app_hooks: list[str]) -> int:
     from server.deploy import local
 
     return local.up(config, host=host, port=port, workers=workers)
 
 
-def serve(config: Path | None, *, upstreams: list[str], host: str | None, port: int | None, workers: str | None) -> int:
+def serve(
+    config: Path | None,
+    *,
+    upstreams: list[str],
+    host: str | None,
+    port: int | None,
+    workers: str | None,
+    app_hooks: list[str],
+) -> int:
     from server.deploy import local
 
-    return local.serve(config, upstreams, host=host, port=port, workers=workers)
+    return local.serve(config, upstreams, host=host, port=port, workers=workers, app_hooks=app_hooks)
 
 
 def compose(config: Path, *, output: Path | None, check: bool) -> int:
@@ -180,18 +188,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command(
         "up",
-        lambda a: up(Path(a.config), host=a.host, port=a.port, workers=a.workers),
+        lambda a: up(Path(a.config), host=a.host, port=a.port, workers=a.workers, app_hooks=a.app_hook),
         "Launch the engines of a gateway config and serve the gateway in front of them.",
     )
     p.add_argument("--config", default="configs/gateway.yaml")
     p.add_argument("--host", default=None, help="override the config's host")
     p.add_argument("--port", type=int, default=None, help="override the config's port (8000)")
     p.add_argument("--workers", default=None, metavar="N", help=WORKERS_HELP)
+    p.add_argument(
+        "--app-hook",
+        action="append",
+        default=[],
+        metavar="MODULE:FUNCTION",
+        help="call FUNCTION(app) on the gateway's FastAPI app: your own routes, dependencies and middleware "
+        "(repeatable; added to the config's app_hooks)",
+    )
 
     p = command(
         "serve",
         lambda a: serve(
-            Path(a.config) if a.config else None, upstreams=a.upstream, host=a.host, port=a.port, workers=a.workers
+            Path(a.config) if a.config else None,
+            upstreams=a.upstream,
+            host=a.host,
+            port=a.port,
+            workers=a.workers,
+            app_hooks=a.app_hook,
         ),
         "Serve the gateway only, in front of engines that already run.",
     )
@@ -206,6 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--workers", default=None, metavar="N", help=WORKERS_HELP)
+    p.add_argument(
+        "--app-hook",
+        action="append",
+        default=[],
+        metavar="MODULE:FUNCTION",
+        help="call FUNCTION(app) on the gateway's FastAPI app: your own routes, dependencies and middleware "
+        "(repeatable; added to the config's app_hooks)",
+    )
 
     p = command(
         "compose",

@@ -4,7 +4,8 @@ A config file (configs/gateway.yaml) holds the gateway's own settings (server.ga
 and `models`: what is served, each model either from a profile (engines this project starts) or
 from URLs of engines that already run. The launchers (server.deploy) read `models` into a
 deployment plan; the gateway is handed the result as `ServedModel`s and never reads profiles'
-ports itself. This module is shared by both sides and imports neither.
+ports, profiles or model configs itself. This module is shared by both sides and imports neither
+(an import-linter contract in pyproject.toml says so).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
@@ -25,7 +26,26 @@ from pydantic import (
     model_validator,
 )
 
-from server.engine.profiles import Profile, TrimmingConfig
+
+class TrimmingConfig(BaseModel):
+    """How the gateway fits long chat histories into this engine (server.gateway.trimming);
+    a profile's `trimming`, overridden by a `models:` entry's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # auto: watermarks (cut well below the budget, then only append: the prefix cache keeps
+    # hitting); window: the longest suffix that fits (the cut moves every turn); strict: refuse
+    # what does not fit; off: send everything.
+    mode: Literal["off", "window", "auto", "strict"] = "auto"
+    # Tokens kept free for the answer when a request names neither max_tokens nor
+    # max_completion_tokens.
+    default_max_tokens: int = Field(default=256, ge=1)
+    # A budget smaller than max_model_len - answer tokens, for history alone.
+    history_budget_tokens: int | None = Field(default=None, ge=1)
+    # auto: when a prompt passes the budget (the high mark), whole turns are dropped until it
+    # fits this fraction of the budget (the low mark), or as near to it as the instructions and
+    # the newest turn allow.
+    low_mark: float = Field(default=0.65, gt=0.0, le=1.0)
 
 
 class SettingsError(ValueError):
@@ -103,15 +123,17 @@ class ModelEngines(BaseModel):
 
 @dataclass
 class ServedModel:
-    """One model as the gateway serves it: its name, its engines' URLs, and what its profile says."""
+    """One model as the gateway serves it: plain data the launcher worked out from the profile
+    (server.deploy.plan), so that the gateway never reads a profile or a model's config.json."""
 
     name: str
     urls: list[str]
-    profile: Profile | None = None  # for max_model_len and the planned KV capacity
     trimming: TrimmingConfig = field(default_factory=lambda: TrimmingConfig(mode="off"))
     kv_events: dict[str, str] = field(default_factory=dict)  # engine URL -> its KV-event endpoint (ZMQ)
     dns: list[str] = field(default_factory=list)  # names resolved for more engines (ModelEngines.dns)
-    planned_kv_tokens: int | None = None  # per engine, from the config; else planned from the profile
+    planned_kv_tokens: int | None = None  # KV-cache tokens per engine: the config's, else the planner's
+    max_model_len: int | None = None  # the profile's, until an engine reports its own
+    block_size: int | None = None  # the profile's KV-cache block size, until the engines report theirs
 
 
 def profile_path(entry: ModelEngines, config: Path | None) -> Path | None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from server.config import SettingsError, parse_upstreams
 from server.deploy.plan import DeploymentPlan, plan_deployment
 from server.engine.supervisor import EngineStartError, EngineSupervisor, prepare
+from server.gateway.app.hooks import load_hook
 from server.gateway.serving import configure_logging, run
 from server.gateway.serving import serve as serve_gateway
 from server.gateway.settings import GatewaySettings, load_settings, worker_count
@@ -41,10 +42,11 @@ def serve(
     host: str | None = None,
     port: int | None = None,
     workers: str | None = None,
+    app_hooks: Sequence[str] = (),
 ) -> int:
     """The gateway only, in front of engines that already run."""
     try:
-        settings, plan = _load(config, upstreams, host, port, workers)
+        settings, plan = _load(config, upstreams, host, port, workers, app_hooks)
         if not settings.models:
             raise SettingsError("no models: give --upstream NAME=URL or --config FILE")
     except SettingsError as exc:
@@ -55,10 +57,16 @@ def serve(
     return code
 
 
-def up(config: Path, host: str | None = None, port: int | None = None, workers: str | None = None) -> int:
+def up(
+    config: Path,
+    host: str | None = None,
+    port: int | None = None,
+    workers: str | None = None,
+    app_hooks: Sequence[str] = (),
+) -> int:
     """Launch the engines of a config, then serve the gateway in front of them."""
     try:
-        settings, plan = _load(config, (), host, port, workers)
+        settings, plan = _load(config, (), host, port, workers, app_hooks)
         if not settings.models:
             raise SettingsError(f"{config}: no models")
     except SettingsError as exc:
@@ -77,9 +85,17 @@ def up(config: Path, host: str | None = None, port: int | None = None, workers: 
 
 
 def _load(
-    config: Path | None, upstreams: Sequence[str], host: str | None, port: int | None, workers: str | None = None
+    config: Path | None,
+    upstreams: Sequence[str],
+    host: str | None,
+    port: int | None,
+    workers: str | None = None,
+    app_hooks: Sequence[str] = (),
 ) -> tuple[GatewaySettings, DeploymentPlan]:
     settings = load_settings(config) if config else GatewaySettings()
+    settings.app_hooks = [*settings.app_hooks, *app_hooks]
+    for spec in settings.app_hooks:
+        load_hook(spec)  # a hook that cannot be imported is refused before anything starts
     workers = workers or os.environ.get(WORKERS_ENV) or None
     if workers is not None:
         settings.workers = worker_count(workers)  # SettingsError for a bad value

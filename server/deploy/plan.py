@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from server.config import ModelEngines, ServedModel, SettingsError, profile_path
-from server.engine.profiles import Profile, ProfileError, TrimmingConfig, load_profile
+from server.config import ModelEngines, ServedModel, SettingsError, TrimmingConfig, profile_path
+from server.engine.planner import parse_size, plan_profile
+from server.engine.profiles import Profile, ProfileError, load_profile
 from server.engine.render import KV_EVENTS_PORT, local_kv_events_port
 
 Placement = Literal["local", "services"]
@@ -105,7 +106,8 @@ class DeploymentPlan:
     def served_models(self) -> list[ServedModel]:
         """What the gateway serves: one per name, entries of one name joined as replicas.
 
-        The first entry of a name gives the profile and the trimming settings.
+        The first entry of a name gives the profile's figures (max_model_len, block size, the
+        planned KV-cache tokens) and the trimming settings: plain data, the gateway reads no profile.
         """
         out: dict[str, ServedModel] = {}
         for model in self.models:
@@ -114,16 +116,33 @@ class DeploymentPlan:
                 out[model.name].kv_events.update(model.kv_events)
                 out[model.name].dns.extend(model.entry.dns)
             else:
+                profile = model.profile
                 out[model.name] = ServedModel(
                     model.name,
                     model.urls,
-                    model.profile,
                     model.trimming,
                     model.kv_events,
                     dns=list(model.entry.dns),
-                    planned_kv_tokens=model.entry.planned_kv_tokens,
+                    planned_kv_tokens=planned_kv_tokens(model),
+                    max_model_len=profile.max_model_len if profile else None,
+                    block_size=profile.block_size if profile else None,
                 )
         return list(out.values())
+
+
+def planned_kv_tokens(model: PlannedModel) -> int | None:
+    """KV-cache tokens for one engine of `model`: the config's figure (rendered by the deployment
+    renderers), else the planner's from the profile (a GPU profile plans with `device_memory`);
+    None when neither can tell (no profile; a GPU profile without a memory figure; no config.json)."""
+    if model.entry.planned_kv_tokens is not None:
+        return model.entry.planned_kv_tokens
+    if model.profile is None:
+        return None
+    try:
+        memory = parse_size(model.entry.device_memory) if model.entry.device_memory else None
+        return plan_profile(model.profile, memory).kv_cache_tokens
+    except Exception:  # noqa: BLE001 - a plan is a nice-to-have for the gateway (capacity shown beside usage)
+        return None
 
 
 def service_name(model: str, replica: int) -> str:

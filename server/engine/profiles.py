@@ -16,6 +16,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from server.config import TrimmingConfig
+
 # vLLM options we understand well enough to check and plan with. Anything else passes through.
 KNOWN_KV_CACHE_DTYPES = {
     "auto",
@@ -36,26 +38,6 @@ VllmValue = str | int | float | bool | list[Any] | dict[str, Any] | None
 
 class ProfileError(ValueError):
     """A profile that cannot be loaded or cannot work, with where and why."""
-
-
-class TrimmingConfig(BaseModel):
-    """How the gateway fits long chat histories into this engine (see server.gateway.trimming.core)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    # auto: watermarks (cut well below the budget, then only append: the prefix cache keeps
-    # hitting); window: the longest suffix that fits (the cut moves every turn); strict: refuse
-    # what does not fit; off: send everything.
-    mode: Literal["off", "window", "auto", "strict"] = "auto"
-    # Tokens kept free for the answer when a request names neither max_tokens nor
-    # max_completion_tokens.
-    default_max_tokens: int = Field(default=256, ge=1)
-    # A budget smaller than max_model_len - answer tokens, for history alone.
-    history_budget_tokens: int | None = Field(default=None, ge=1)
-    # auto: when a prompt passes the budget (the high mark), whole turns are dropped until it
-    # fits this fraction of the budget (the low mark), or as near to it as the instructions and
-    # the newest turn allow.
-    low_mark: float = Field(default=0.65, gt=0.0, le=1.0)
 
 
 class PlannerHints(BaseModel):

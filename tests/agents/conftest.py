@@ -65,7 +65,15 @@ def agent_gateway(real_engine) -> Iterator[AgentGateway]:
 
     profile = real_engine.profile
     assert profile.trimming.mode == "auto"
-    models = [ServedModel(real_engine.model, [real_engine.url], profile, trimming=profile.trimming)]
+    models = [
+        ServedModel(
+            real_engine.model,
+            [real_engine.url],
+            trimming=profile.trimming,
+            max_model_len=profile.max_model_len,
+            block_size=profile.block_size,
+        )
+    ]
     client = httpx.AsyncClient(
         limits=httpx.Limits(max_keepalive_connections=0),  # nothing left open
         event_hooks={"request": [record]},

@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from server.config import ModelEngines, SettingsError, parse_upstreams
+from server.config import ModelEngines, SettingsError, TrimmingConfig, parse_upstreams
 from server.deploy.plan import plan_deployment
-from server.engine.profiles import TrimmingConfig
 from server.gateway.settings import load_settings
 
 CPU_PROFILE = "model: /m\nserved_model_name: {name}\nreplicas: {replicas}\ndevice: cpu\n"
@@ -32,10 +31,12 @@ def plan_of(config: Path, **kwargs):
 def test_url_only_models_are_served_as_given():
     plan = plan_deployment(parse_upstreams(["a=http://h:1", "a=http://h:2/", "b=https://x"]))
     assert plan.engines == []
-    assert [(m.name, m.urls, m.profile, m.trimming.mode) for m in plan.served_models()] == [
-        ("a", ["http://h:1", "http://h:2"], None, "off"),
-        ("b", ["https://x"], None, "off"),
+    assert [(m.name, m.urls, m.trimming.mode) for m in plan.served_models()] == [
+        ("a", ["http://h:1", "http://h:2"], "off"),
+        ("b", ["https://x"], "off"),
     ]
+    for model in plan.served_models():  # nothing to read the figures from: the engines report theirs
+        assert (model.max_model_len, model.block_size, model.planned_kv_tokens) == (None, None, None)
 
 
 def test_profile_models_get_consecutive_ports(tmp_path):
@@ -51,7 +52,19 @@ def test_profile_models_get_consecutive_ports(tmp_path):
         ("u", ["http://e:1"], "off"),
         ("qm", ["http://127.0.0.1:9102"], "auto"),
     ]  # no base_port: after the previous model's
-    assert served[0].profile is not None and served[0].profile.served_model_name == "pm"
+    assert (served[0].max_model_len, served[0].block_size) == (None, 128)  # the CPU platform's default
+
+
+def test_the_gateway_gets_the_profiles_figures_as_plain_data(tmp_path):
+    """max_model_len, block size and planned KV tokens are worked out here: the gateway reads no profile."""
+    profile = CPU_PROFILE.format(name="pm", replicas=1) + "vllm:\n  max-model-len: 2048\n  block-size: 64\n"
+    config = write(tmp_path, "  - profile: p.yaml\n  - profile: q.yaml\n    planned_kv_tokens: 5000\n", p=profile,
+                   q=CPU_PROFILE.format(name="qm", replicas=1))  # fmt: skip
+    pm, qm = plan_of(config).served_models()
+    assert (pm.max_model_len, pm.block_size) == (2048, 64)
+    assert pm.planned_kv_tokens is None  # /m has no config.json to plan from: unknown, not a guess
+    assert qm.planned_kv_tokens == 5000  # the config's figure (the renderers write it)
+    assert not hasattr(pm, "profile")
 
 
 def test_without_base_port_engines_start_at_8100(tmp_path):
@@ -68,7 +81,7 @@ def test_entries_of_one_name_are_replicas_of_one_model(tmp_path):
     (served,) = plan_of(config).served_models()
     assert served.urls == ["http://127.0.0.1:8100", "http://other:8000"]
     assert served.trimming.mode == "auto"  # the first entry's (its profile's) settings
-    assert served.profile is not None
+    assert served.block_size == 128  # and its profile's figures
 
 
 def test_a_profile_entry_with_urls_names_engines_that_run_elsewhere(tmp_path):

@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.deploy.plan import plan_deployment
 from server.gateway.app import create_app
-from server.gateway.app.router import Gateway as GatewayApp
+from server.gateway.app.application import GatewayApp
 from server.gateway.http.seam import protocol_for
 from server.gateway.serving.supervisor import WORKER_HEADER
 from server.gateway.settings import GatewaySettings, ModelEngines

@@ -50,9 +50,8 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from server.config import SettingsError
+from server.config import SettingsError, TrimmingConfig
 from server.deploy.plan import plan_deployment
-from server.engine.profiles import TrimmingConfig
 from server.gateway.app import create_app
 from server.gateway.settings import ModelEngines
 from standin import StandinConfig, build_app

@@ -1,8 +1,8 @@
-"""The gateway, assembled in plain steps: `create_app(settings)` returns its ASGI application.
+"""The gateway, assembled in plain steps: `create_app(settings, models)` returns its FastAPI app.
 
     engines (pool, health checks, metrics scraping) ─┐
-    history trimming (a request step)                ├─► Gateway (app.router) ─► Proxy ─► transport
-    metrics and access log (observability)          ─┘
+    history trimming (a request step)                ├─► GatewayApp (FastAPI) ─► ProxiedEndpoints
+    metrics and access log (observability)          ─┘        ─► Proxy ─► transport ─► engine
 
 Start-up runs one round of health checks before the first request and starts the engine
 metrics scraper and, for precise prefix routing, the engines' KV-event subscribers; shutdown
@@ -11,16 +11,21 @@ stops them and closes the HTTP clients. Nothing is created at import.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import httpx
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from server.config import ServedModel
+from server.gateway.app.application import GatewayApp
 from server.gateway.app.auth import load_admin_keys, load_api_keys
-from server.gateway.app.ops import GatewayState
-from server.gateway.app.router import Gateway
+from server.gateway.app.hooks import apply_hooks
+from server.gateway.app.proxied import ProxiedEndpoints
+from server.gateway.app.state import GatewayState
 from server.gateway.observability.logs import log_request as default_log_request
 from server.gateway.observability.metrics import GatewayMetrics
 from server.gateway.observability.record import RequestReporter
@@ -34,12 +39,14 @@ from server.gateway.replicas.discovery import DnsLookup, EngineDiscovery
 from server.gateway.replicas.engine import Engine
 from server.gateway.replicas.health import HealthChecker
 from server.gateway.replicas.kv_events import KvEventsCollector, KvEventSubscriber
-from server.gateway.replicas.pool import EnginePool, planned_kv_tokens
+from server.gateway.replicas.pool import EnginePool
 from server.gateway.replicas.precise import PreciseIndex
 from server.gateway.replicas.scraper import EngineMetricsScraper
 from server.gateway.settings import GatewaySettings
 from server.gateway.trimming.step import HistoryTrimming
 from server.gateway.trimming.target import make_lookup
+
+log = logging.getLogger("gateway")
 
 
 def new_http_client(settings: GatewaySettings, transport: httpx.AsyncBaseTransport) -> httpx.AsyncClient:
@@ -85,8 +92,9 @@ def create_app(
     metrics: Any = None,
     log_request: Callable[..., None] | None = default_log_request,
     environ: Mapping[str, str] | None = None,
-) -> Gateway:
-    """The OpenAI-compatible gateway for `settings` in front of `models`' engines (see app.router)."""
+) -> GatewayApp:
+    """The OpenAI-compatible gateway for `settings` in front of `models`' engines, as a FastAPI app
+    (app.application); `settings.app_hooks` are called with it last (app.hooks)."""
     metrics = metrics if metrics is not None else GatewayMetrics(registry)
     owns_client = http_client is None
     upstream: Upstream
@@ -133,7 +141,6 @@ def create_app(
         interval=settings.discovery.interval,
         join=engine_found,
         leave=engine_left,
-        planned_kv_tokens=lambda m: planned_kv_tokens(m.profile) if m.profile else None,
     )
     metrics.registry.register(KvEventsCollector(cache.precise, {e.id: e.model for e in upstreams.engines()}))
     timeout = httpx.Timeout(settings.timeouts.first_byte, connect=settings.timeouts.connect)
@@ -156,17 +163,37 @@ def create_app(
             if owns_client:
                 await client.aclose()
 
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            await startup()
+        except Exception as exc:
+            log.error("gateway start-up failed: %s", exc)
+            raise
+        try:
+            yield
+        finally:
+            await shutdown()
+
     proxy = Proxy(settings=settings, upstream=upstream, metrics=metrics, forward_auth=not keys)
-    return Gateway(
-        state=GatewayState(upstreams=upstreams, registry=metrics.registry, proxy=proxy, health=health),
+    state = GatewayState(
+        upstreams=upstreams,
+        registry=metrics.registry,
+        proxy=proxy,
+        health=health,
+        keys=keys,
+        protect_ops=settings.auth.protect_ops_endpoints,
+    )
+    proxied = ProxiedEndpoints(
+        state=state,
         proxy=proxy,
         reporter=RequestReporter(metrics, log_request if settings.access_log else None),
         steps=[trimming],
         keys=keys,
-        protect_ops=settings.auth.protect_ops_endpoints,
         max_body_bytes=settings.limits.max_body_bytes,
         admin_keys=load_admin_keys(settings.auth, environ),
         max_upload_bytes=settings.limits.max_upload_bytes,
-        startup=startup,
-        shutdown=shutdown,
     )
+    app = GatewayApp(state=state, proxied=proxied, lifespan=lifespan)
+    apply_hooks(app, settings.app_hooks)
+    return app

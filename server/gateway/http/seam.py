@@ -1,4 +1,13 @@
-"""The gateway's HTTP/1.1 connection: uvicorn's httptools protocol with limits for hostile clients.
+"""The one module that reaches below ASGI into uvicorn: the gateway's HTTP/1.1 connection.
+
+Everything the gateway relies on beyond the ASGI spec is here, and nowhere else: uvicorn's
+httptools protocol class (subclassed), its per-request cycle (`send.__self__`: `transport`,
+`flow`, `disconnected`, `response_started`, `response_complete`, `chunked_encoding`) and its flow
+control (`write_paused`, `drain`, `resume_reading`). uvicorn is pinned to the releases tested
+(pyproject.toml), tests/gateway/http/test_uvicorn_internals.py has a test per internal, and
+`uvicorn_problems()` checks the installed uvicorn at start: with one that differs, the gateway
+logs what differs and runs on uvicorn's own protocol and plain ASGI `send` (slower streams, and
+without the limits below), instead of failing at the first request.
 
 uvicorn serves each connection with one protocol object. Ours adds what a public-facing
 server needs and uvicorn does not do by itself:
@@ -21,6 +30,7 @@ server needs and uvicorn does not do by itself:
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
@@ -351,8 +361,48 @@ async def start_body(send: Any, message: MutableMapping[str, Any]) -> ChunkedWri
     return writer
 
 
-def protocol_for(settings: Any) -> type[HttpToolsProtocol]:
-    """The protocol class for a gateway's `limits` settings."""
+# What the seam calls or overrides on uvicorn's classes; instance attributes are checked by the tests.
+PROTOCOL_METHODS = (
+    "connection_made",
+    "data_received",
+    "connection_lost",
+    "send_400_response",
+    "on_message_begin",
+    "on_headers_complete",
+    "on_message_complete",
+)
+CYCLE_METHODS = ("send", "receive")
+FLOW_METHODS = ("drain", "resume_reading", "pause_reading")
+
+
+def uvicorn_problems() -> list[str]:
+    """What differs in the installed uvicorn from what the seam relies on ([] when nothing does)."""
+    from uvicorn.protocols.http import flow_control, httptools_impl
+
+    problems = [
+        f"HttpToolsProtocol.{name}" for name in PROTOCOL_METHODS if not callable(getattr(HttpToolsProtocol, name, None))
+    ]
+    cycle = getattr(httptools_impl, "RequestResponseCycle", None)
+    problems += [f"RequestResponseCycle.{name}" for name in CYCLE_METHODS if not callable(getattr(cycle, name, None))]
+    flow = getattr(flow_control, "FlowControl", None)
+    problems += [f"FlowControl.{name}" for name in FLOW_METHODS if not callable(getattr(flow, name, None))]
+    return problems
+
+
+def protocol_for(settings: Any) -> type[HttpToolsProtocol] | str:
+    """The protocol class for a gateway's `limits` settings; uvicorn's own ("httptools") if the
+    installed uvicorn is not the one the seam was written for (see the module doc)."""
+    problems = uvicorn_problems()
+    if problems:
+        import uvicorn
+
+        logging.getLogger("gateway").warning(
+            "uvicorn %s lacks what the gateway's connection handling relies on (%s): serving on uvicorn's "
+            "own protocol, without header/body timeouts and the connection cap, and streams through ASGI send",
+            uvicorn.__version__,
+            ", ".join(problems),
+        )
+        return "httptools"
     limits = settings.limits
     return ConnectionLimits(
         header_timeout=limits.header_timeout,

@@ -112,7 +112,6 @@ class EngineDiscovery:
         interval: float = 5.0,
         join: Callable[[Engine], Awaitable[None]] | None = None,
         leave: Callable[[Engine], None] | None = None,
-        planned_kv_tokens: Callable[[ServedModel], int | None] | None = None,
     ) -> None:
         self.pool = pool
         self.lookup = lookup
@@ -124,7 +123,7 @@ class EngineDiscovery:
         for model in models:
             if model.dns:
                 self._names.setdefault(model.name, []).extend(parse_dns(name) for name in model.dns)
-                self._planned[model.name] = planned_kv_tokens(model) if planned_kv_tokens else None
+                self._planned[model.name] = model.planned_kv_tokens  # planned by the launcher
         self.found: dict[str, dict[str, Engine]] = {name: {} for name in self._names}  # model -> URL -> engine
         self.rounds = 0  # completed resolution rounds (tests wait on it)
         self._task: asyncio.Task[None] | None = None

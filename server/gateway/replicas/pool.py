@@ -16,8 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.config import ServedModel
-from server.engine.profiles import Profile, TrimmingConfig
+from server.config import ServedModel, TrimmingConfig
 from server.gateway.errors import ModelNotFound
 from server.gateway.replicas import routing
 from server.gateway.replicas.cache import CacheState, PromptView
@@ -165,16 +164,14 @@ class EnginePool:
         """One `Engine` per URL of each served model, with what its profile says."""
         pools = []
         for model in models:
-            planned = model.planned_kv_tokens  # rendered into the config (compose), else planned here
-            if planned is None and model.profile:
-                planned = planned_kv_tokens(model.profile)
+            planned = model.planned_kv_tokens
             pools.append(
                 ModelPool(
                     name=model.name,
                     engines=[Engine(model.name, url, planned_kv_tokens=planned) for url in model.urls],
                     trimming=model.trimming,
-                    configured_max_model_len=model.profile.max_model_len if model.profile else None,
-                    configured_block_size=model.profile.block_size if model.profile else None,
+                    configured_max_model_len=model.max_model_len,
+                    configured_block_size=model.block_size,
                 )
             )
         return cls(pools, cache=cache)
@@ -192,13 +189,3 @@ class EnginePool:
     def ready(self) -> bool:
         """At least one healthy replica for every model."""
         return bool(self.models) and all(pool.healthy_count for pool in self.models.values())
-
-
-def planned_kv_tokens(profile: Profile) -> int | None:
-    """The KV-cache capacity the planner expects for one engine of `profile`, when it can tell."""
-    from server.engine.planner import plan_profile
-
-    try:
-        return plan_profile(profile).kv_cache_tokens
-    except Exception:  # noqa: BLE001 - a plan is a nice-to-have here (GPU profiles need --device-memory)
-        return None

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from server.engine.profiles import TrimmingConfig
+from server.config import TrimmingConfig
 from server.gateway.errors import InvalidRequest
 from server.gateway.http.asgi import Headers
 from server.gateway.trimming.core import Message, TrimResult, trim_messages

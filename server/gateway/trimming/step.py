@@ -31,7 +31,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from server.engine.profiles import TrimmingConfig
+from server.config import TrimmingConfig
 from server.gateway.request.endpoints import Endpoint
 from server.gateway.request.request import GatewayRequest
 from server.gateway.trimming.core import Message

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from server.engine.profiles import TrimmingConfig
+from server.config import TrimmingConfig
 from server.gateway.replicas.pool import ModelPool
 from server.gateway.trimming.core import Message
 

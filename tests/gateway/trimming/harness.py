@@ -1,6 +1,6 @@
 """The router's part around the trimming step, for tests: body read once, parsed, the step, the engine.
 
-`StepRouter(step, app)` does for one step what `server.gateway.app.router.Gateway` does for all
+`StepRouter(step, app)` does for one step what `server.gateway.app.proxied.ProxiedEndpoints` does for all
 of them: a POST to an endpoint of the table is read, parsed into a `GatewayRequest` and passed
 to the step; a `GatewayError` becomes the OpenAI error envelope (with the request's response
 headers); otherwise the request's (possibly replaced) bytes go to `app` and the step's response

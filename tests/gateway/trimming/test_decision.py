@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from server.engine.profiles import TrimmingConfig
+from server.config import TrimmingConfig
 from server.gateway.errors import InvalidRequest
 from server.gateway.request.endpoints import BY_NAME
 from server.gateway.request.request import GatewayRequest, parse_request

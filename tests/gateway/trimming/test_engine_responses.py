@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
+from server.config import TrimmingConfig
 from server.deploy.plan import plan_deployment
-from server.engine.profiles import TrimmingConfig
 from server.gateway.app import create_app
 from server.gateway.settings import GatewaySettings, ModelEngines
 from server.gateway.trimming.history import responses_history

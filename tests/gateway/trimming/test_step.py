@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from server.engine.profiles import TrimmingConfig
+from server.config import TrimmingConfig
 from server.gateway.observability.metrics import GatewayMetrics
 from server.gateway.request.endpoints import BY_NAME
 from server.gateway.request.request import parse_request

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from server.engine.profiles import TrimmingConfig
+from server.config import TrimmingConfig
 from standin import count_chat_tokens
 from tests.gateway.conftest import fast_settings
 from tests.gateway.trimming.test_step import conversation

@@ -156,7 +156,7 @@ def test_a_low_mark_below_the_instructions_keeps_the_newest_turn_only():
 
 _FRESH = textwrap.dedent("""
     import asyncio, json, sys
-    from server.engine.profiles import TrimmingConfig
+    from server.config import TrimmingConfig
     from server.gateway.request.endpoints import BY_NAME
     from server.gateway.request.request import parse_request
     from server.gateway.trimming.step import HistoryTrimming
@@ -183,7 +183,7 @@ class Target:
     max_model_len = 400
 
     def __init__(self) -> None:
-        from server.engine.profiles import TrimmingConfig
+        from server.config import TrimmingConfig
 
         self.trimming = TrimmingConfig(mode="auto", default_max_tokens=50, low_mark=0.6)
 

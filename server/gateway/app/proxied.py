@@ -1,42 +1,42 @@
-"""The gateway's ASGI application: one router owns every endpoint.
+"""The OpenAI endpoints the gateway forwards to engines, as one raw ASGI handler inside the app.
 
-    client ─► Gateway: request id, API key, route
-                ├─ endpoints.ENDPOINTS ─► body read once ─► GatewayRequest ─► pool and replica
-                │     (request.targets: model, LoRA adapter, stored response) ─► steps (history
-                │     trimming) ─► Proxy ─► transport ─► engine   (LoRA load/unload: every replica)
-                └─ GET ops.ROUTES ─► /v1/models[/{id}], /health, /ready, /metrics
-Anything else is 404 (unknown path) or 405 (known path, wrong method), in the OpenAI error
-envelope like every other refusal; nothing redirects. Every response carries `x-request-id`.
-An exception nothing else handled becomes one logged line and a 500 envelope, never a traceback.
-Every proxied request is counted and logged once, refusals included: under the served model it
-named (a refusal after its `model` was read, request.targets.served), else under `_unknown`.
+    client ─► GatewayApp (app.application) ─► ProxiedEndpoints.handle(endpoint, ...): request id,
+              API key ─► body read once ─► GatewayRequest ─► pool and replica (request.targets:
+              model, LoRA adapter, stored response) ─► steps (history trimming) ─► Proxy ─►
+              transport ─► engine   (LoRA load/unload: every replica, behind the admin key)
+
+They stay below FastAPI's request and response classes because the relay needs the connection
+itself (http.seam: the spliced stream, the disconnect watch, aborting a stalled client); they are
+still routes of the app (listed in /openapi.json, seen by users' middleware: app.application).
+Every answer carries `x-request-id`. An exception nothing else handled becomes one logged line
+and a 500 envelope, never a traceback. Every proxied request is counted and logged once,
+refusals included: under the served model it named (a refusal after its `model` was read,
+request.targets.served), else under `_unknown`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from time import perf_counter
 
 from server.gateway.app.auth import check_api_key
-from server.gateway.app.ops import OPEN_PATHS, GatewayState, find_route
+from server.gateway.app.state import GatewayState
 from server.gateway.errors import (
     ClientDisconnected,
     GatewayError,
     InternalError,
-    MethodNotAllowed,
     PermissionDenied,
-    RouteNotFound,
     send_error,
 )
-from server.gateway.http.asgi import Receive, Scope, Send, read_body, send_bytes
+from server.gateway.http.asgi import Receive, Scope, Send, read_body
 from server.gateway.observability.record import (
     CLIENT_CLOSED,
     RequestRecord,
     RequestReporter,
 )
 from server.gateway.proxy.proxy import Proxy
-from server.gateway.request.endpoints import BY_PATH, Endpoint, known_path, match
+from server.gateway.request.endpoints import Endpoint
 from server.gateway.request.ids import request_id_from
 from server.gateway.request.request import GatewayRequest, parse_request
 from server.gateway.request.targets import resolve, served
@@ -44,11 +44,10 @@ from server.gateway.request.targets import resolve, served
 log = logging.getLogger("gateway")
 
 RequestStep = Callable[[GatewayRequest], Awaitable[None]]
-Hook = Callable[[], Awaitable[None]]
 
 
-class Gateway:
-    """The ASGI app `create_app` assembles (see the module doc)."""
+class ProxiedEndpoints:
+    """The handler of every proxied endpoint (see the module doc); one per app."""
 
     def __init__(
         self,
@@ -58,11 +57,7 @@ class Gateway:
         reporter: RequestReporter,
         steps: Sequence[RequestStep] = (),
         keys: list[bytes] | None = None,
-        protect_ops: bool = False,
         max_body_bytes: int = 32 * 2**20,
-        endpoints: Mapping[str, Endpoint] = BY_PATH,
-        startup: Hook | None = None,
-        shutdown: Hook | None = None,
         admin_keys: list[bytes] | None = None,
         max_upload_bytes: int = 25 * 2**20,
     ) -> None:
@@ -71,27 +66,12 @@ class Gateway:
         self.reporter = reporter
         self.steps = tuple(steps)
         self.keys = keys or []
-        self.protect_ops = protect_ops
         self.max_body_bytes = max_body_bytes
         self.max_upload_bytes = max_upload_bytes  # multipart uploads (audio)
         self.admin_keys = admin_keys or []  # runtime LoRA load/unload; with none, those are refused
-        self.endpoints = endpoints
-        self.startup = startup
-        self.shutdown = shutdown
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            endpoint = self.endpoints.get(scope["path"])
-            if endpoint is not None and scope["method"] == "POST":
-                await self._proxied(endpoint, scope, receive, send)
-            elif (found := match(scope["path"], scope["method"])) is not None:
-                await self._proxied(found[0], scope, receive, send, found[1])
-            else:
-                await self._other(endpoint, scope, send)
-        elif scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
-
-    async def _proxied(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send, param: str = "") -> None:
+    async def handle(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send, param: str = "") -> None:
+        """Answer one request for `endpoint` (`param`: the value of its path parameter, if it has one)."""
         headers = scope["headers"]
         rid = request_id_from(headers)
         id_header = [(b"x-request-id", rid.encode())]
@@ -170,48 +150,3 @@ class Gateway:
                 "(auth.admin_keys_env, GATEWAY_ADMIN_KEYS by default)."
             )
         check_api_key(headers, self.admin_keys)
-
-    async def _other(self, endpoint: Endpoint | None, scope: Scope, send: Send) -> None:
-        """The GET endpoints, and 404/405 for everything else."""
-        headers = scope["headers"]
-        path, method = scope["path"], scope["method"]
-        id_header = [(b"x-request-id", request_id_from(headers).encode())]
-        try:
-            if method != "OPTIONS" and (self.protect_ops or path not in OPEN_PATHS):
-                check_api_key(headers, self.keys)
-            route = find_route(path)
-            if route is None:
-                if endpoint is not None or known_path(path):
-                    raise MethodNotAllowed("Method not allowed on this endpoint.")
-                raise RouteNotFound(f"No such endpoint: {method} {path[:200]}")
-            if method not in ("GET", "HEAD"):
-                raise MethodNotAllowed("Method not allowed on this endpoint.")
-            answer = await route(self.state, path)
-            await send_bytes(
-                send, answer.status, answer.body if method == "GET" else b"", answer.content_type, id_header
-            )
-        except GatewayError as exc:
-            await send_error(send, exc, id_header)
-        except Exception:
-            log.exception("unexpected error in %s %s", method, path[:200])
-            await send_error(send, InternalError("The gateway failed unexpectedly."), id_header)
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                try:
-                    if self.startup is not None:
-                        await self.startup()
-                except Exception as exc:
-                    log.exception("gateway start-up failed")
-                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
-                    return
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                try:
-                    if self.shutdown is not None:
-                        await self.shutdown()
-                finally:
-                    await send({"type": "lifespan.shutdown.complete"})
-                return

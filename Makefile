@@ -69,10 +69,11 @@ tiny-model: install ## Build the tiny local model into .cache/tiny-llama
 
 LINTED := server loadtest standin tests bench examples
 
-lint: install ## ruff (lint + format check) and mypy (strict on server/gateway)
+lint: install ## ruff (lint + format check), mypy (strict on server/gateway) and the import-linter contracts (layers)
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/ruff format --check $(LINTED)
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 format: install ## Apply ruff's formatting and safe fixes
 	$(BIN)/ruff format $(LINTED)

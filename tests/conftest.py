@@ -3,6 +3,12 @@
 The engine is started through the project's own supervisor (`python -m server engine`), exactly
 as an operator would, once per session (about 40 s). Set TEST_ENGINE_URL to reuse an engine that
 already runs (while developing); then the supervisor tests that stop the engine are skipped.
+
+A shared engine that crashes is restarted by its supervisor. Every test that uses one (the
+session's chat and embedding engines) first waits for it to serve (bounded: a test never starts
+against an engine that is coming back, and fails saying the engine crashed if it does not come
+back); a test that fails while its engine crashed waits for the restart too, so the next tests
+find it serving, and its failure says that the engine crashed during it (tests/engine_process.py).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
 
 from server.engine.profiles import Profile, load_profile
-from tests.engine_process import running_engine
+from tests.engine_process import SharedEngine, running_engine
 from tests.support import free_port
 
 # Property tests have no per-example time limit: a busy machine makes an example slow, not wrong.
@@ -34,7 +40,7 @@ ENGINE_START_TIMEOUT = float(os.environ.get("TEST_ENGINE_START_TIMEOUT", "420"))
 
 
 @dataclass
-class RealEngine:
+class RealEngine(SharedEngine):
     """A running vLLM engine serving the tiny model."""
 
     url: str  # base URL, without /v1
@@ -47,6 +53,39 @@ class RealEngine:
     @property
     def openai_base_url(self) -> str:
         return f"{self.url}/v1"
+
+
+# The shared engines started so far, by fixture name (the hooks below wait for them).
+SHARED_ENGINES: dict[str, SharedEngine] = {}
+
+
+def _shared_engines(item: pytest.Item) -> list[SharedEngine]:
+    return [SHARED_ENGINES[name] for name in getattr(item, "fixturenames", ()) if name in SHARED_ENGINES]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before a test's fixtures: its shared engines serve (after a crash, their restart)."""
+    for engine in _shared_engines(item):
+        engine.wait_until_serving()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A test that fails while a shared engine crashed says so, once the engine serves again."""
+    engines = _shared_engines(item)
+    before = [engine.engine_pid() for engine in engines]
+    try:
+        return (yield)
+    except (Exception, pytest.fail.Exception) as failure:
+        for engine, pid in zip(engines, before, strict=True):
+            if not engine.serving() or (pid is not None and engine.engine_pid() not in (pid, None)):
+                waited = engine.wait_until_serving()
+                failure.add_note(
+                    f"the shared {engine.profile.name} engine crashed during this test "
+                    f"(its supervisor had it serving again {waited:.0f} s after the test ended)"
+                )
+        raise
 
 
 def pytest_collection_modifyitems(config, items):
@@ -65,7 +104,11 @@ def real_engine(tmp_path_factory) -> RealEngine:
     if reuse:
         url = reuse.rstrip("/").removesuffix("/v1")
         models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
-        yield RealEngine(url, models[0]["id"], profile, models[0]["max_model_len"], None, None)
+        SHARED_ENGINES["real_engine"] = RealEngine(
+            url, models[0]["id"], profile, models[0]["max_model_len"], None, None
+        )
+        yield SHARED_ENGINES["real_engine"]
+        SHARED_ENGINES.pop("real_engine", None)
         return
 
     port = free_port()
@@ -100,9 +143,11 @@ def real_engine(tmp_path_factory) -> RealEngine:
     sys.stderr.write(f"\n[tests] real vLLM engine ready at {url} in {time.monotonic() - started:.1f} s\n")
     models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
     engine = RealEngine(url, models[0]["id"], profile, models[0]["max_model_len"], process, log_path)
+    SHARED_ENGINES["real_engine"] = engine
     try:
         yield engine
     finally:
+        SHARED_ENGINES.pop("real_engine", None)
         _stop(process)
         log_file.close()
 
@@ -110,11 +155,16 @@ def real_engine(tmp_path_factory) -> RealEngine:
 @pytest.fixture(scope="session")
 def real_embed_engine(tmp_path_factory):
     """The tiny model as an embedding model (configs/profiles/tiny-embed.yaml), once per session."""
-    yield from running_engine(
+    for engine in running_engine(
         ROOT / "configs" / "profiles" / "tiny-embed.yaml",
         tmp_path_factory.mktemp("embed"),
         reuse_env="TEST_EMBED_ENGINE_URL",
-    )
+    ):
+        SHARED_ENGINES["real_embed_engine"] = engine
+        try:
+            yield engine
+        finally:
+            SHARED_ENGINES.pop("real_embed_engine", None)
 
 
 def _stop(process: subprocess.Popen) -> None:

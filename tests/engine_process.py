@@ -4,6 +4,14 @@
 supervisor), waits for `/health`, yields the engine, and stops its whole process group after.
 Set the `reuse_env` variable to the URL of an engine that already runs to use it instead.
 The session's chat engine (`real_engine` in tests/conftest.py) is started the same way.
+
+An engine shared by many tests can crash (a vLLM worker's SIGILL, an out-of-memory kill); its
+supervisor then restarts it, which takes a back-off and a fresh start (about 40 s here).
+`SharedEngine.wait_until_serving()` waits for that, bounded by RESTART_TIMEOUT, and fails the
+test with "the shared ... engine crashed and did not come back within N s" otherwise;
+`SharedEngine.client()` is an httpx client whose requests, when the engine refuses the
+connection (nothing was sent), wait for the restart and go again. tests/conftest.py waits the
+same way before every test that uses a shared engine, and names a crash in a test's failure.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -25,10 +34,108 @@ from tests.support import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT = float(os.environ.get("TEST_ENGINE_START_TIMEOUT", "420"))
+# A crashed engine's way back: the supervisor's back-off (1 s for a first crash) and a fresh
+# start (40 s here, several minutes on a busy machine).
+RESTART_TIMEOUT = float(os.environ.get("TEST_ENGINE_RESTART_TIMEOUT", str(START_TIMEOUT)))
+
+
+def serving(url: str) -> bool:
+    """Whether the engine at `url` answers /health with 200 now."""
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def child_pids(pid: int) -> list[int]:
+    """The live (not zombie) children of `pid`, from /proc."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+            found.append(int(entry.name))
+    return found
+
+
+class SharedEngine:
+    """Waiting out a crash of an engine that many tests share (see the module doc).
+
+    Needs `url`, `profile`, `process` (the supervisor, None for a reused engine) and `log_path`."""
+
+    url: str
+    profile: Profile
+    process: subprocess.Popen[bytes] | None
+    log_path: Path | None
+
+    def serving(self) -> bool:
+        return serving(self.url)
+
+    def engine_pid(self) -> int | None:
+        """vLLM's API server: the supervisor's child (None for a reused engine, or between two runs)."""
+        if self.process is None:
+            return None
+        pids = child_pids(self.process.pid)
+        return pids[0] if len(pids) == 1 else None
+
+    def wait_until_serving(self, timeout: float = RESTART_TIMEOUT) -> float:
+        """Seconds waited for /health (0.0: it answered at once); fails the test if the engine does
+        not come back within `timeout` seconds or its supervisor has exited."""
+        started = time.monotonic()
+        while not self.serving():
+            name = self.profile.name
+            if self.process is not None and self.process.poll() is not None:
+                pytest.fail(
+                    f"the shared {name} engine is down and its supervisor exited with {self.process.returncode}"
+                    + self._log_tail(),
+                    pytrace=False,
+                )
+            if time.monotonic() - started > timeout:
+                pytest.fail(
+                    f"the shared {name} engine crashed and did not come back within {timeout:.0f} s "
+                    f"(its supervisor restarts it: {self.url}/health never answered 200)" + self._log_tail(),
+                    pytrace=False,
+                )
+            time.sleep(0.5)
+        return time.monotonic() - started
+
+    def client(self, **kwargs: Any) -> httpx.Client:
+        """An httpx client whose refused connections wait for the engine's restart, then go again."""
+        return httpx.Client(transport=WaitsForRestart(self), **kwargs)
+
+    def _log_tail(self) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\nlast lines of its log:\n" + self.log_path.read_text(errors="replace")[-3000:]
+
+
+class WaitsForRestart(httpx.BaseTransport):
+    """A transport that meets a refused connection (the engine down, nothing sent) by waiting for
+    the engine's supervisor to bring it back, then sends the request once more."""
+
+    def __init__(self, engine: SharedEngine, transport: httpx.BaseTransport | None = None) -> None:
+        self.engine = engine
+        self.transport = transport or httpx.HTTPTransport()
+        self.waited: list[float] = []  # seconds, per restart waited for
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return self.transport.handle_request(request)
+        except httpx.ConnectError:
+            self.waited.append(self.engine.wait_until_serving())
+            return self.transport.handle_request(request)
+
+    def close(self) -> None:
+        self.transport.close()
 
 
 @dataclass
-class EngineProcess:
+class EngineProcess(SharedEngine):
     """A running vLLM engine of a profile."""
 
     url: str  # base URL, without /v1

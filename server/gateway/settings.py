@@ -113,6 +113,10 @@ class Limits(_Strict):
     header_timeout: float = Field(default=10.0, gt=0)  # seconds for a request's headers to arrive
     body_timeout: float = Field(default=60.0, gt=0)  # seconds for its body, after the headers
     max_client_connections: int = Field(default=4096, ge=1)  # open client connections at once
+    # An engine's answer the gateway reads whole (every non-streamed one): past this it is cut and
+    # the client gets 502 engine_answer_too_large; memory per such answer stays under about twice
+    # this. 64 MiB holds 8,192 tokens with 20 top logprobs each (~8 KiB a token in vLLM's JSON).
+    max_answer_bytes: int = Field(default=64 * 2**20, ge=1024)
     # `--workers N`: a worker that dies is replaced (server.gateway.serving.supervisor) after
     # worker_restart_backoff seconds, doubled for each death of that worker in the last minute up
     # to worker_restart_backoff_max. More than worker_restarts_per_minute restarts (all workers

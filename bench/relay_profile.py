@@ -49,7 +49,7 @@ OWNERS = (
     # connection's callbacks: those are the relay's and the client side's, not the upstream client's.
     ("client-side socket writes of the spliced stream (http.seam writers)", r"ChunkedWriter|SendWriter"),
     ("relay loop and exchange (proxy.exchange, proxy.proxy)", r"_relay_stream\.<locals>\.sink"),
-    ("upstream HTTP/1.1 client (proxy.transport, proxy.connection)", r"proxy/(transport|connection)\.py"),
+    ("upstream HTTP/1.1 client (proxy.transport, http1)", r"proxy/transport\.py|http1/"),
     ("deadlines (proxy.deadlines)", r"proxy/deadlines\.py"),
     ("request parsing, auth, routing table (request, app.auth)", r"gateway/request/|gateway/app/auth"),
 )

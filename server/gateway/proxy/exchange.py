@@ -48,6 +48,7 @@ from server.gateway.http.seam import start_body
 from server.gateway.http.sse import UsageScanner, usage_from_body
 from server.gateway.observability.record import RequestRecord
 from server.gateway.proxy.answer import ClientAnswer
+from server.gateway.proxy.bounded import AnswerTooLarge, read_bounded
 from server.gateway.proxy.context import ProxyContext
 from server.gateway.proxy.deadlines import Deadlines
 from server.gateway.proxy.failures import Failure, Stage, upstream_failure
@@ -225,8 +226,12 @@ class Exchange(ClientAnswer):
                 await response.aclose()
 
     async def _read_whole(self, response: UpstreamResponse, engine: Engine) -> bytes:
+        """The engine's whole answer, within `limits.max_answer_bytes` (proxy.bounded)."""
         try:
-            return await response.aread()
+            return await read_bounded(response, self.context.settings.limits.max_answer_bytes, engine.id)
+        except AnswerTooLarge as exc:
+            log.warning("request %s: %s", self.record.request_id, exc.message)
+            raise
         except httpx.HTTPError as exc:
             self._raise(exc, engine, Stage.BODY)
             raise  # pragma: no cover - _raise always raises

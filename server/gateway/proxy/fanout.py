@@ -24,6 +24,7 @@ import httpx
 
 from server.gateway.errors import GatewayError, engine_error_body
 from server.gateway.jsonio import dumps
+from server.gateway.proxy.bounded import AnswerTooLarge, read_bounded
 from server.gateway.proxy.context import ProxyContext
 from server.gateway.replicas import adapters
 from server.gateway.replicas.engine import Engine
@@ -74,11 +75,13 @@ async def _one(
             read_timeout=context.settings.timeouts.first_byte,
         )
         try:
-            content = await response.aread()
+            content = await read_bounded(response, context.settings.limits.max_answer_bytes, engine.id)
         finally:
             await response.aclose()
     except httpx.HTTPError as exc:
         return Outcome(engine.id, 0, f"{type(exc).__name__}: {exc}")
+    except AnswerTooLarge as exc:
+        return Outcome(engine.id, 502, exc.message)
     return Outcome(engine.id, response.status_code, _message(response.status_code, content))
 
 

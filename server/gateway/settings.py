@@ -112,7 +112,26 @@ class Limits(_Strict):
     shutdown_grace: float = Field(default=30.0, ge=0)  # seconds for in-flight streams
     header_timeout: float = Field(default=10.0, gt=0)  # seconds for a request's headers to arrive
     body_timeout: float = Field(default=60.0, gt=0)  # seconds for its body, after the headers
-    max_client_connections: int = Field(default=4096, ge=1)  # open client connections at once
+    # Open client connections at once (per gateway process). At the cap a newcomer takes the slot of
+    # an idle connection (none of its requests in progress), those that never carried an
+    # authenticated request first, the longest idle first; 503 too_many_connections only when
+    # every connection is busy (server.gateway.http.seam).
+    max_client_connections: int = Field(default=4096, ge=1)
+    # Per client address (the TCP peer: behind a proxy, the proxy), 0: no cap; a connection beyond
+    # it is answered 429 too_many_connections_from_peer. max_connections_per_peer counts them all
+    # (off by default: a load balancer in front is one peer). max_unauthenticated_per_peer counts
+    # those on which no request has passed the API key check yet, only when the gateway has keys;
+    # 1024 fits a client that opens hundreds of connections at once (the benchmarks open 768).
+    max_connections_per_peer: int = Field(default=0, ge=0)
+    max_unauthenticated_per_peer: int = Field(default=1024, ge=0)
+    # A client's request head (request line and headers), refused 431 request_header_fields_too_large
+    # and the connection closed: at most max_request_headers headers, each value at most
+    # max_header_value_bytes, the whole head at most max_head_bytes (counted as it arrives, so a
+    # bigger head is never held). Room for an SDK's headers, a long bearer token (a JWT of a few
+    # KiB) and what proxies add; nginx's default is 8 KiB a line and 32 KiB in all.
+    max_request_headers: int = Field(default=100, ge=8)
+    max_header_value_bytes: int = Field(default=16 * 2**10, ge=256)
+    max_head_bytes: int = Field(default=64 * 2**10, ge=1024)
     # An engine's answer the gateway reads whole (every non-streamed one): past this it is cut and
     # the client gets 502 engine_answer_too_large; memory per such answer stays under about twice
     # this. 64 MiB holds 8,192 tokens with 20 top logprobs each (~8 KiB a token in vLLM's JSON).
@@ -129,6 +148,12 @@ class Limits(_Strict):
     def _backoff_within_its_cap(self) -> Limits:
         if self.worker_restart_backoff > self.worker_restart_backoff_max:
             raise ValueError("worker_restart_backoff must not be above worker_restart_backoff_max")
+        return self
+
+    @model_validator(mode="after")
+    def _header_value_within_the_head(self) -> Limits:
+        if self.max_header_value_bytes > self.max_head_bytes:
+            raise ValueError("max_header_value_bytes must not be above max_head_bytes (a value is part of the head)")
         return self
 
 

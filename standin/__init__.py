@@ -15,9 +15,11 @@ Runtime control (JSON):
   an OpenAI error envelope), `die_after_chunks` (close the TCP connection abruptly after that many
   SSE events; non-streaming: after that much generation time, without an answer),
   `first_byte_delay_s` (before the response headers), `stall_after_chunks` + `stall_s` (pause a
-  stream), `tokenize_status`, `kv_cache_usage_perc`, `ttft_ms`, `itl_ms`, `tokens`, `hold` (keep
-  each accepted generation request in flight, before its first byte, until `POST /_standin/release`),
-  and `times` (the faults apply to that many generation requests, then reset themselves).
+  stream), `tokenize_status`, `kv_cache_usage_perc`, `metrics_status` and `metrics_text` (the
+  status and the whole text of `/metrics`, e.g. a page captured from vLLM), `ttft_ms`, `itl_ms`,
+  `tokens`, `hold` (keep each accepted generation request in flight, before its first byte, until
+  `POST /_standin/release`), and `times` (the faults apply to that many generation requests, then
+  reset themselves).
 - `POST /_standin/release` lets every held request go on (its timing starts then) and clears `hold`.
 - A request body may carry `"standin": {...}` with the per-request keys above (`ttft_ms`,
   `itl_ms`, `tokens`, `die_after_chunks`, `first_byte_delay_s`, `stall_after_chunks`, `stall_s`,
@@ -49,7 +51,10 @@ Modules: config.py (`StandinConfig`, the fault keys), tokens.py (the counting ru
 ASGI app and vLLM's endpoints), generation.py (checking and planning one request), replies.py (the
 SSE stream and the JSON answer on their schedule), control.py (`/_standin/*`: faults, holds, stats,
 timings), metrics.py and prefix_cache.py (`/metrics`), wire.py (ASGI helpers, the error envelope),
-cli.py (`python -m standin`).
+cli.py (`python -m standin`), lifecycle.py (process faults for supervisor tests: `--exit-now`,
+`--crash-after`, `--grandchild-pidfile`). Two small apps beside it: responses.py (the stand-in plus a
+`/v1/responses` that refuses over-long prompts, for Responses trimming) and surface.py (Responses
+state and streaming, embeddings, uploads, runtime LoRA: the endpoints beyond chat).
 """
 
 from standin.app import Standin, build_app

@@ -120,9 +120,11 @@ class Standin(Controls):
         usage = self.faults.get("kv_cache_usage_perc")
         if usage is None:
             usage = min(1.0, self._kv_in_use / self.config.kv_cache_tokens)
-        text = render_metrics(self.config, self.running, usage, self.prefix_cache)
+        text = self.faults.get("metrics_text")  # a page of the test's own (one captured from vLLM)
+        if text is None:
+            text = render_metrics(self.config, self.running, usage, self.prefix_cache)
         await send({
-            "type": "http.response.start", "status": 200,
+            "type": "http.response.start", "status": self.faults.get("metrics_status", 200),
             "headers": [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")],
         })  # fmt: skip
         await send({"type": "http.response.body", "body": text.encode()})

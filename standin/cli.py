@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+from typing import Any
 
 from standin.app import build_app
 from standin.config import StandinConfig
+from standin.lifecycle import CrashAfterHealthy, ProcessFaults, before_serving
 
 EPILOG = """\
 runtime control (JSON, see the standin package's docstring):
@@ -26,12 +28,18 @@ environment: STANDIN_LOG_LEVEL sets uvicorn's log level (default warning).
 """
 
 
-def run(config: StandinConfig, host: str = "127.0.0.1", port: int = 8200) -> None:
-    """Serve the stand-in with uvicorn, on uvloop and httptools when they are installed."""
+def run(config: StandinConfig, host: str = "127.0.0.1", port: int = 8200, process: ProcessFaults | None = None) -> None:
+    """Serve the stand-in with uvicorn, on uvloop and httptools when they are installed; with
+    `process` faults acted out around it (lifecycle.py)."""
     import uvicorn
 
+    app: Any = build_app(config)
+    if process is not None and process.any:
+        before_serving(process)
+        if process.crash_after_s is not None:
+            app = CrashAfterHealthy(app, process.crash_after_s)
     uvicorn.run(
-        build_app(config),
+        app,
         host=host,
         port=port,
         loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
@@ -81,6 +89,21 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="report usage.prompt_tokens_details.cached_tokens (vLLM's flag)",
     )
+    faults = p.add_argument_group("process faults (for tests of an engine supervisor)")
+    faults.add_argument(
+        "--exit-now", action="store_true", help="print a fatal error and exit with status 3 before serving"
+    )
+    faults.add_argument(
+        "--crash-after",
+        type=float,
+        metavar="S",
+        help="exit with status 1, S seconds after the first /health answered 200",
+    )
+    faults.add_argument(
+        "--grandchild-pidfile",
+        metavar="FILE",
+        help="start `sleep 600` in this process group and append its pid to FILE",
+    )
     return p
 
 
@@ -91,4 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         model=args.model, ttft_ms=args.ttft_ms, itl_ms=args.itl_ms, tokens=args.tokens,
         max_model_len=args.max_model_len, prompt_tokens_details=args.prompt_tokens_details,
     )  # fmt: skip
-    run(config, args.host, args.port)
+    process = ProcessFaults(
+        exit_now=args.exit_now, crash_after_s=args.crash_after, grandchild_pidfile=args.grandchild_pidfile
+    )
+    run(config, args.host, args.port, process)

@@ -26,6 +26,8 @@ FAULT_KEYS = {
     "stall_s": float,
     "tokenize_status": int,
     "kv_cache_usage_perc": float,
+    "metrics_status": int,
+    "metrics_text": str,
     "ttft_ms": float,
     "itl_ms": float,
     "tokens": int,

@@ -28,9 +28,10 @@ def supervisor(tmp_path, *extra, max_restarts=3, ready_timeout=60.0):
     argv = [
         sys.executable,
         "-m",
-        "tests.engine.fake_engine",
+        "standin",
+        "--port",
         str(port),
-        "--pidfile",
+        "--grandchild-pidfile",
         str(tmp_path / "children"),
         *extra,
     ]

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from server.gateway.request.targets import engine_token, token_of
+from standin.surface import SurfaceStandin
 from tests.gateway.conftest import fast_settings
-from tests.gateway.surface_standin import SurfaceStandin
 from tests.support import refusing_port, serve_in_thread, wait_for
 
 

@@ -12,8 +12,10 @@ from prometheus_client import CollectorRegistry
 from server.deploy.plan import plan_deployment
 from server.engine.profiles import TrimmingConfig
 from server.gateway.app import create_app
+from server.gateway.trimming.history import responses_history
+from standin.responses import ResponsesStandin
 from tests.gateway.conftest import Gateway, fast_settings
-from tests.gateway.trimming.responses_engine import ResponsesStandin, responses_conversation
+from tests.gateway.trimming.responses_input import responses_conversation
 from tests.support import serve_in_thread
 
 
@@ -122,7 +124,7 @@ def test_a_responses_conversation_is_trimmed_through_the_gateway():
     """/v1/responses through the whole gateway: the engine (a stand-in that refuses over-long
     prompts as vLLM does) gets the instructions, the newest items and whole tool calls, under the
     gateway's own response id; a follow-up with `previous_response_id` goes untouched."""
-    engine = ResponsesStandin.build(model="standin", max_model_len=1000)
+    engine = ResponsesStandin.build(responses_history, model="standin", max_model_len=1000)
     with serve_in_thread(engine) as url:
         items = responses_conversation(40)
         body = {"model": "standin", "input": items, "instructions": "be brief", "max_output_tokens": 100}

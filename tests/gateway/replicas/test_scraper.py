@@ -10,13 +10,11 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from starlette.applications import Starlette
-from starlette.responses import PlainTextResponse
-from starlette.routing import Route
 
 from server.gateway.replicas.collector import EngineCollector
 from server.gateway.replicas.engine import Engine, EngineMetrics
 from server.gateway.replicas.scraper import EngineMetricsScraper, parse_engine_metrics
+from standin import build_app
 from tests.support import async_wait_for, serve_in_thread
 
 # Captured from the real engine (vLLM 0.32.0, tiny model) after a few requests, two of them with
@@ -104,17 +102,27 @@ def test_data_parallel_ranks_are_summed_and_usage_averaged():
     assert snap.kv_capacity_tokens == 200
 
 
+class MetricsPage:
+    """What a stand-in engine's /metrics answers: `update(status=..., text=...)` sets it through
+    the stand-in's faults (`metrics_status`, `metrics_text`)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.page = {"text": VLLM_TEXT, "status": 200}
+        self.update()
+
+    def update(self, **page: object) -> None:
+        self.page.update(page)
+        faults = {"metrics_text": self.page["text"], "metrics_status": self.page["status"]}
+        httpx.post(f"{self.url}/_standin/faults", json=faults, timeout=10).raise_for_status()
+
+
 @pytest.fixture
 def fake_engine():
-    """A loopback HTTP server answering /metrics with `page["text"]` and `page["status"]`."""
-    page = {"text": VLLM_TEXT, "status": 200}
-
-    async def metrics(request):
-        return PlainTextResponse(page["text"], status_code=page["status"])
-
-    app = Starlette(routes=[Route("/metrics", metrics)])
-    with serve_in_thread(app) as url:
-        yield url, page
+    """A stand-in engine on loopback answering /metrics with the saved vLLM page, or what the test
+    sets with `page.update(status=..., text=...)`."""
+    with serve_in_thread(build_app()) as url:
+        yield url, MetricsPage(url)
 
 
 async def test_collector_exports_the_snapshot_and_marks_engine_up(fake_engine):

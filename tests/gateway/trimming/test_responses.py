@@ -1,5 +1,5 @@
 """History trimming of Responses requests (`/v1/responses`): the step in front of a stand-in engine
-that serves Responses and refuses over-long prompts as vLLM does (responses_engine.py).
+that serves Responses and refuses over-long prompts as vLLM does (standin/responses.py).
 
 The budget, the modes, the headers and the invariants are chat's: `instructions` and leading
 system/developer items are kept, the newest turns are kept, a `function_call` never loses its
@@ -21,8 +21,9 @@ from server.gateway.trimming.counter import TokenCounter
 from server.gateway.trimming.history import responses_history
 from server.gateway.trimming.step import HistoryTrimming
 from standin import count_chat_tokens
+from standin.responses import ResponsesStandin
 from tests.gateway.trimming.harness import StepRouter
-from tests.gateway.trimming.responses_engine import ResponsesStandin, responses_conversation
+from tests.gateway.trimming.responses_input import responses_conversation
 from tests.gateway.trimming.test_step import MODEL, StandinTarget
 from tests.support import serve_in_thread
 
@@ -44,7 +45,7 @@ class Stack:
 
 @contextlib.contextmanager
 def stack(mode: str = "auto", *, max_model_len: int = 1000, max_calls: int = 256, **trimming: Any) -> Iterator[Stack]:
-    engine = ResponsesStandin.build(model=MODEL, max_model_len=max_model_len)
+    engine = ResponsesStandin.build(responses_history, model=MODEL, max_model_len=max_model_len)
     target = StandinTarget(TrimmingConfig(mode=mode, **trimming), max_model_len=max_model_len)
 
     async def lookup(model: str) -> StandinTarget | None:

@@ -1,38 +1,57 @@
-"""The stand-in engine (standin/) plus a `/v1/responses` that checks the prompt's length as
-vLLM does, for the Responses trimming tests.
+"""A stand-in engine that also serves `POST /v1/responses` and refuses an over-long prompt there as
+vLLM does: for the gateway's Responses trimming, whose budget must meet the engine's own count.
 
-`POST /v1/responses` renders `instructions` + `input` into chat messages (as vLLM does, through
-`history.responses_history`), counts them with the stand-in's own rule (`count_chat_tokens`: the
-same numbers its `/tokenize` gives the gateway), and refuses with vLLM's 400 when the prompt plus
-`max_output_tokens` passes `max_model_len`; otherwise it answers a small `response` object whose
-`usage.input_tokens` is that count. Every request body is kept in `responses`; everything else
-(health, models, `/tokenize`, stats) is the stand-in's.
+`render` turns a Responses body (`instructions` + `input`) into the chat messages vLLM would build
+from it, or None for an input it cannot read; the tests pass the gateway's own renderer
+(`server.gateway.trimming.history.responses_history`), so this package imports nothing of the
+gateway. The messages are counted with the stand-in's rule (`count_chat_tokens`: the numbers its
+`/tokenize` gives the gateway); a prompt plus `max_output_tokens` over `max_model_len` gets vLLM's
+400, anything else a small `response` object whose `usage.input_tokens` is that count. Every
+request body is kept in `responses`; everything else (health, models, `/tokenize`, stats) is the
+stand-in's.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from server.gateway.trimming.history import responses_history
-from standin import Standin, StandinConfig, build_app, count_chat_tokens
+from standin.app import Standin, build_app
+from standin.config import StandinConfig
+from standin.tokens import count_chat_tokens
+from standin.wire import Receive, Scope, Send
+
+
+class Rendered(Protocol):
+    """What `render` returns: the chat messages, and whether a generation prompt follows them."""
+
+    messages: list[dict[str, Any]]
+    generation_prompt: bool
+
+
+Render = Callable[[dict[str, Any]], Rendered | None]
 
 
 @dataclass
 class ResponsesStandin:
+    """The stand-in (`standin`) plus a length-checking `/v1/responses`; `responses`: bodies seen."""
+
     standin: Standin
+    render: Render
     responses: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
-    def build(cls, **config: Any) -> ResponsesStandin:
-        return cls(build_app(StandinConfig(**{"ttft_ms": 1.0, "itl_ms": 1.0, "tokens": 4, **config})))
+    def build(cls, render: Render, **config: Any) -> ResponsesStandin:
+        """A fast stand-in (1 ms per token, 4 tokens) with `StandinConfig` fields in `config`."""
+        return cls(build_app(StandinConfig(**{"ttft_ms": 1.0, "itl_ms": 1.0, "tokens": 4, **config})), render)
 
     @property
     def last_input(self) -> Any:
         return self.responses[-1]["input"]
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or (scope["method"], scope["path"]) != ("POST", "/v1/responses"):
             await self.standin(scope, receive, send)
             return
@@ -44,7 +63,7 @@ class ResponsesStandin:
                 break
         body = json.loads(raw)
         self.responses.append(body)
-        history = responses_history(body)
+        history = self.render(body)
         if history is None:
             await _json(send, 400, _error("Unsupported input", "input"))
             return
@@ -84,31 +103,8 @@ def _error(message: str, param: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}
 
 
-async def _json(send: Any, status: int, payload: Any) -> None:
+async def _json(send: Send, status: int, payload: Any) -> None:
     body = json.dumps(payload).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
-
-
-def responses_conversation(turns: int, words: int = 20) -> list[dict[str, Any]]:
-    """A Responses input: a developer item, then per turn a user question, and on every third turn
-    a function call with its output before the assistant's answer; ends on a user question."""
-    items: list[dict[str, Any]] = [{"role": "developer", "content": "rule " * 30}]
-    for turn in range(turns):
-        items.append({"role": "user", "content": f"question{turn} " + "w " * (words - 1)})
-        if turn % 3 == 1:
-            call_id = f"call_{turn}"
-            items.append(
-                {"type": "function_call", "call_id": call_id, "name": "search", "arguments": f"turn {turn} places"}
-            )
-            items.append({"type": "function_call_output", "call_id": call_id, "output": "found " * words})
-        items.append(
-            {
-                "type": "message",
-                "role": "assistant",
-                "content": [{"type": "output_text", "text": f"answer{turn} " + "w " * (words - 1)}],
-            }
-        )
-    items.append({"role": "user", "content": "and the last question"})
-    return items

@@ -5,7 +5,8 @@ Only what the gateway's own behaviour depends on is modelled: the response id is
 `request_id` (as vLLM does), stored responses live in this process's memory, `/v1/models` lists
 LoRA adapters with `parent`, and `die_after_events` drops the connection mid-stream. Every request
 is recorded (`requests`: method, path with query, content type, body) so tests can see where the
-gateway sent what.
+gateway sent what. Chat answers are a fixed "ok"; for timing, faults and token counts use the
+stand-in itself (`standin.build_app`).
 """
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
+from standin.wire import Receive, Send
 
 
 @dataclass
 class Seen:
+    """One request as the engine received it."""
+
     method: str
     path: str
     content_type: str
@@ -31,6 +32,8 @@ class Seen:
 
 @dataclass
 class SurfaceStandin:
+    """The ASGI app; its adapters, stored responses and the requests it saw live on it."""
+
     model: str = "standin"
     adapters: dict[str, str] = field(default_factory=dict)  # LoRA name -> path
     deltas: tuple[str, ...] = ("Hello", " there", " traveller")

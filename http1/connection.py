@@ -28,14 +28,10 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
 import httptools
 
 from http1.exceptions import ProtocolError, ReadTimeout
-
-if TYPE_CHECKING:
-    from http1.pool import Origin
 
 PAUSE_ABOVE = 1 << 20  # bytes of unread body that make a connection stop reading the socket
 MAX_HEAD_BYTES = 64 * 1024  # header lines of one answer (names and values)
@@ -58,7 +54,9 @@ class Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.gone: asyncio.Future[None] | None = None  # done once the transport has let go of its socket
-        self.origin: Origin | None = None  # the pool's, while the connection belongs to one
+        # The pool's bookkeeping of its origin while the connection belongs to one (opaque here: a
+        # connection knows nothing of pools, so http1.pool imports this module and not the reverse).
+        self.origin: object | None = None
         self.idle_since = 0.0
         self.arrived = 0.0  # the clock when the last read came in (with a clock)
         self.paused = False

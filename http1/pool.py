@@ -135,7 +135,7 @@ class Pool:
         """Give the connection back (its answer ended whole) or close it (cut short: the server learns
         that nobody is listening any more), and its slot to the next request."""
         origin = connection.origin
-        assert origin is not None, "a connection of this pool"
+        assert isinstance(origin, Origin), "a connection of this pool"
         if connection.reusable():
             connection.idle_since = time.monotonic()
             origin.idle.append(connection)

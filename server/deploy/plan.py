@@ -116,33 +116,54 @@ class DeploymentPlan:
                 out[model.name].kv_events.update(model.kv_events)
                 out[model.name].dns.extend(model.entry.dns)
             else:
-                profile = model.profile
-                out[model.name] = ServedModel(
+                out[model.name] = served_model(
                     model.name,
                     model.urls,
-                    model.trimming,
-                    model.kv_events,
+                    model.profile,
+                    trimming=model.trimming,
+                    kv_events=model.kv_events,
                     dns=list(model.entry.dns),
-                    planned_kv_tokens=planned_kv_tokens(model),
-                    max_model_len=profile.max_model_len if profile else None,
-                    block_size=profile.block_size if profile else None,
+                    planned_kv_tokens=model.entry.planned_kv_tokens,
+                    device_memory=model.entry.device_memory,
                 )
         return list(out.values())
 
 
-def planned_kv_tokens(model: PlannedModel) -> int | None:
-    """KV-cache tokens for one engine of `model`: the config's figure (rendered by the deployment
-    renderers), else the planner's from the profile (a GPU profile plans with `device_memory`);
-    None when neither can tell (no profile; a GPU profile without a memory figure; no config.json)."""
-    if model.entry.planned_kv_tokens is not None:
-        return model.entry.planned_kv_tokens
-    if model.profile is None:
-        return None
-    try:
-        memory = parse_size(model.entry.device_memory) if model.entry.device_memory else None
-        return plan_profile(model.profile, memory).kv_cache_tokens
-    except Exception:  # noqa: BLE001 - a plan is a nice-to-have for the gateway (capacity shown beside usage)
-        return None
+def served_model(
+    name: str,
+    urls: list[str],
+    profile: Profile | None,
+    *,
+    trimming: TrimmingConfig | None = None,
+    kv_events: dict[str, str] | None = None,
+    dns: list[str] | None = None,
+    planned_kv_tokens: int | None = None,
+    device_memory: str | None = None,
+) -> ServedModel:
+    """What the gateway serves of a model whose engines run `profile`: its figures as plain data.
+
+    max_model_len and the KV block size from the profile; the KV-cache tokens per engine as given
+    (the deployment renderers write them into the config), else planned from the profile (a GPU
+    profile plans with `device_memory`), else None (no profile, a GPU profile without a memory
+    figure, no config.json to plan from). `trimming`: as given, else off (as a ServedModel's)."""
+    if planned_kv_tokens is None and profile is not None:
+        try:
+            memory = parse_size(device_memory) if device_memory else None
+            planned_kv_tokens = plan_profile(profile, memory).kv_cache_tokens
+        except Exception:  # noqa: BLE001 - a plan is a nice-to-have for the gateway (capacity shown beside usage)
+            planned_kv_tokens = None
+    served = ServedModel(
+        name,
+        urls,
+        kv_events=dict(kv_events or {}),
+        dns=list(dns or []),
+        planned_kv_tokens=planned_kv_tokens,
+        max_model_len=profile.max_model_len if profile else None,
+        block_size=profile.block_size if profile else None,
+    )
+    if trimming is not None:
+        served.trimming = trimming
+    return served
 
 
 def service_name(model: str, replica: int) -> str:

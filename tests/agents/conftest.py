@@ -13,7 +13,7 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
-from server.config import ServedModel
+from server.deploy.plan import served_model
 from server.gateway.app import create_app
 from server.gateway.settings import GatewaySettings
 from tests.support import serve_in_thread
@@ -65,15 +65,7 @@ def agent_gateway(real_engine) -> Iterator[AgentGateway]:
 
     profile = real_engine.profile
     assert profile.trimming.mode == "auto"
-    models = [
-        ServedModel(
-            real_engine.model,
-            [real_engine.url],
-            trimming=profile.trimming,
-            max_model_len=profile.max_model_len,
-            block_size=profile.block_size,
-        )
-    ]
+    models = [served_model(real_engine.model, [real_engine.url], profile, trimming=profile.trimming)]
     client = httpx.AsyncClient(
         limits=httpx.Limits(max_keepalive_connections=0),  # nothing left open
         event_hooks={"request": [record]},

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from server.config import ServedModel
+from server.deploy.plan import served_model
 from server.gateway.settings import GatewaySettings
 from tests.gateway.conftest import WORKER_COUNTS, WORKER_IDS, served_gateway
 
@@ -147,8 +147,8 @@ def send(client: httpx.Client, base: str, row: Row, headers: dict[str, str]) -> 
 def gateway_url(real_engine, real_embed_engine, request, tmp_path_factory):
     settings = GatewaySettings(auth={"api_keys_env": "TEST_DIFFERENTIAL_KEYS"})
     models = [
-        ServedModel(real_engine.model, [real_engine.url], real_engine.profile),
-        ServedModel(real_embed_engine.model, [real_embed_engine.url], real_embed_engine.profile),
+        served_model(real_engine.model, [real_engine.url], real_engine.profile),
+        served_model(real_embed_engine.model, [real_embed_engine.url], real_embed_engine.profile),
     ]
     log_dir = tmp_path_factory.mktemp("gateway")
     with served_gateway(settings, models, request.param, log_dir, environ={"TEST_DIFFERENTIAL_KEYS": KEY}) as gw:

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from server.config import ServedModel
+from server.deploy.plan import served_model
 from server.gateway.settings import GatewaySettings
 from tests.gateway.conftest import WORKER_COUNTS, WORKER_IDS, served_gateway
 from tests.support import wait_for
@@ -24,7 +24,7 @@ NO_EOS = {"ignore_eos": True}  # the tiny model's random weights may pick the en
 @pytest.fixture(scope="module", params=WORKER_COUNTS, ids=WORKER_IDS)
 def gateway_url(real_engine, request, tmp_path_factory):
     settings = GatewaySettings(auth={"api_keys_env": "TEST_REAL_ENGINE_GATEWAY_KEYS"})
-    models = [ServedModel(real_engine.model, [real_engine.url], real_engine.profile)]
+    models = [served_model(real_engine.model, [real_engine.url], real_engine.profile)]
     log_dir = tmp_path_factory.mktemp("gateway")
     with served_gateway(
         settings, models, request.param, log_dir, environ={"TEST_REAL_ENGINE_GATEWAY_KEYS": "sk-test"}

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from server.config import ServedModel
+from server.deploy.plan import served_model
 from server.gateway.settings import GatewaySettings
 from tests.engine_process import running_engine
 from tests.gateway.conftest import WORKER_COUNTS, WORKER_IDS, Gateway, served_gateway
@@ -36,7 +36,7 @@ def lora_engine(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=WORKER_COUNTS, ids=WORKER_IDS)
 def gateway(real_engine, lora_engine, request, tmp_path_factory):
-    models = [ServedModel("tiny", [real_engine.url, lora_engine.url], lora_engine.profile)]
+    models = [served_model("tiny", [real_engine.url, lora_engine.url], lora_engine.profile)]
     # Each worker re-reads the engines' /v1/models at most every second (at each health check, 2 s).
     settings = GatewaySettings(health={"models_interval": 1.0})
     log_dir = tmp_path_factory.mktemp("gateway")

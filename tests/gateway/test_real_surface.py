@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from server.config import ServedModel
+from server.deploy.plan import served_model
 from server.gateway.request.targets import engine_token, token_of
 from server.gateway.settings import GatewaySettings
 from tests.gateway.conftest import WORKER_COUNTS, WORKER_IDS, served_gateway
@@ -28,8 +28,8 @@ POLL_DEADLINE_S = 120.0
 def gateway_url(real_engine, real_embed_engine, request, tmp_path_factory):
     settings = GatewaySettings(auth={"api_keys_env": "TEST_SURFACE_KEYS"})
     models = [
-        ServedModel(real_engine.model, [real_engine.url], real_engine.profile),
-        ServedModel(real_embed_engine.model, [real_embed_engine.url], real_embed_engine.profile),
+        served_model(real_engine.model, [real_engine.url], real_engine.profile),
+        served_model(real_embed_engine.model, [real_embed_engine.url], real_embed_engine.profile),
     ]
     log_dir = tmp_path_factory.mktemp("gateway")
     with served_gateway(settings, models, request.param, log_dir, environ={"TEST_SURFACE_KEYS": KEY}) as gw:

@@ -10,7 +10,7 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
-from server.config import ServedModel
+from server.deploy.plan import served_model
 from server.gateway.app import create_app
 from server.gateway.settings import GatewaySettings
 from tests.metrics.prometheus_server import run_prometheus
@@ -47,7 +47,7 @@ def test_every_dashboard_query_and_alert_expression_returns_data(real_engine):
     model = real_engine.model
     settings = GatewaySettings(metrics_scrape_interval=0.5)
     # The profile's plan gives gateway_engine_kv_cache_planned_tokens; the URL is the engine.
-    models = [ServedModel(model, [real_engine.url], real_engine.profile)]
+    models = [served_model(model, [real_engine.url], real_engine.profile)]
     app = create_app(settings, models, registry=CollectorRegistry())
     with serve_in_thread(app) as gateway, run_prometheus(gateway, rule_files=[ALERTS]) as prom:
         client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0, timeout=60)

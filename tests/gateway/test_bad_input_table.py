@@ -29,12 +29,16 @@ still answers a normal request and `gateway_requests_in_flight` is back to 0.
     silent-connection        connects, sends nothing                            408 request_timeout, closed
     slowloris-headers        half the headers, then nothing                     408 request_timeout, closed
     slow-body                headers, part of the body, then nothing            closed, no answer
+    too-many-headers         120 headers (limit 100)                            431 request_header_fields_too_large
+    too-long-header-value    a 17 KiB header value (limit 16 KiB)               431 request_header_fields_too_large
+    too-big-head             80 KiB of headers (limit 64 KiB in all)            431 request_header_fields_too_large
     many-messages            20,000 messages with trimming on                   200, <= 300 /tokenize calls
     negative-usage           an engine reporting usage -5/-1                    200 passed on, counted
     empty-key-list           GATEWAY keys "" or ","                             the gateway refuses to start
 
-The connection cap (503 too_many_connections) is in tests/gateway/http/test_seam.py: it
-needs a gateway with a cap of its own.
+The connection caps (an idle connection let go at the cap, 503 too_many_connections, 429
+too_many_connections_from_peer) are in tests/gateway/http/test_client_limits.py: they need a
+gateway with caps of its own.
 """
 
 from __future__ import annotations
@@ -247,9 +251,16 @@ def empty_key_list(t: Table) -> Answer:
 
 
 POST_CHAT = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+
+
 BREW = b"BREW /v1/chat/completions HTTP/1.1\r\nhost: x\r\n\r\n"
 TLS_HELLO = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 hello\r\n\r\n"
 WRONG_KEY = {"authorization": "Bearer sk-wrong"}
+
+
+def _headers(count: int, value_bytes: int) -> bytes:
+    """A chat request's head with `count` extra headers of `value_bytes` each (the defaults' caps)."""
+    return POST_CHAT + b"".join(b"x-h%d: %s\r\n" % (i, b"v" * value_bytes) for i in range(count)) + b"\r\n"
 
 
 @dataclass(frozen=True)
@@ -321,6 +332,9 @@ ROWS = [
     Row("silent-connection", lambda t: _raw(t.raw(b"")), 408, "request_timeout"),
     Row("slowloris-headers", lambda t: _raw(t.raw(POST_CHAT)), 408, "request_timeout"),
     Row("slow-body", slow_body, None),
+    Row("too-many-headers", lambda t: _raw(t.raw(_headers(120, 8))), 431, "request_header_fields_too_large"),
+    Row("too-long-header-value", lambda t: _raw(t.raw(_headers(1, 17 << 10))), 431, "request_header_fields_too_large"),
+    Row("too-big-head", lambda t: _raw(t.raw(_headers(40, 2 << 10))), 431, "request_header_fields_too_large"),
     Row("many-messages", many_messages, 200),
     Row("negative-usage", negative_usage, 200),
     Row("empty-key-list", empty_key_list, 0),

@@ -1,6 +1,7 @@
 """The one module that reaches below ASGI into uvicorn: the gateway's HTTP/1.1 connection.
 
-Everything the gateway relies on beyond the ASGI spec is here, and nowhere else: uvicorn's
+Everything the gateway relies on beyond the ASGI spec is here (its writing half in http.writers,
+imported through this module), and nowhere else: uvicorn's
 httptools protocol class (subclassed), its per-request cycle (`send.__self__`: `transport`,
 `flow`, `disconnected`, `response_started`, `response_complete`, `chunked_encoding`) and its flow
 control (`write_paused`, `drain`, `resume_reading`). uvicorn is pinned to the releases tested
@@ -15,7 +16,12 @@ server needs and uvicorn does not do by itself:
   first byte (a silent or slowloris connection is answered 408 and closed);
 - a request body must arrive within `body_timeout` of the headers (then the connection closes:
   the request sees a disconnect, as if the client had left);
-- at most `max_connections` client connections at once; one more is answered 503 and closed;
+- a request's head: at most `max_head_bytes` in all (counted in `data_received` before httptools,
+  which holds a header value whole, sees them: a 64 MB header is never held), `max_headers`
+  headers and `max_header_value_bytes` a value (`on_header`); past a cap, 431 and closed;
+- connection slots (http.admission): at the `max_connections` cap an idle connection is let go
+  for a newcomer (503 only when all are busy); per-address caps (429); the app marks a connection
+  whose request passed the API key check (`mark_authenticated(send)`);
 - malformed HTTP (bad Content-Length, Content-Length with Transfer-Encoding, a bad chunk size,
   an unknown method) is answered 400 in the OpenAI error envelope, not in plain text;
 - the app can abort a request's connection (`abort_connection(send)`): a stream whose client
@@ -31,50 +37,51 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from server.gateway.errors import GatewayError, InvalidRequest, error_body
+from server.gateway.errors import GatewayError, InvalidRequest, echo, send_error
+from server.gateway.http.admission import (
+    Admission,
+    HeaderFieldsTooLarge,
+    RequestTimeout,
+    Slot,
+    TooManyConnections,
+    raw_error_response,
+)
+from server.gateway.http.writers import ChunkedWriter, SendWriter, body_writer, start_body
 
-
-class RequestTimeout(GatewayError):
-    status = 408
-    type = "invalid_request_error"
-    code = "request_timeout"
-
-
-class TooManyConnections(GatewayError):
-    status = 503
-    type = "service_unavailable"
-    code = "too_many_connections"
-
-
-_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 503: b"Service Unavailable"}
-
-
-def raw_error_response(exc: GatewayError) -> bytes:
-    """A complete HTTP/1.1 error response, for answers written before any ASGI app runs."""
-    body = error_body(exc)
-    return b"".join(
-        (
-            b"HTTP/1.1 %d %s\r\n" % (exc.status, _REASONS[exc.status]),
-            b"content-type: application/json\r\n",
-            b"content-length: %d\r\n" % len(body),
-            b"connection: close\r\n\r\n",
-            body,
-        )
-    )
+__all__ = ["ChunkedWriter", "SendWriter", "body_writer", "start_body"]  # http.writers', re-exported
 
 
 class ConnectionLimits:
-    """The limits every connection of one server shares."""
+    """The limits every connection of one server shares, and its connection slots (`admission`)."""
 
-    def __init__(self, *, header_timeout: float, body_timeout: float, max_connections: int) -> None:
+    def __init__(
+        self,
+        *,
+        header_timeout: float,
+        body_timeout: float,
+        max_connections: int,
+        max_connections_per_peer: int = 0,
+        max_unauthenticated_per_peer: int = 0,
+        max_headers: int = 100,
+        max_header_value_bytes: int = 16 * 2**10,
+        max_head_bytes: int = 64 * 2**10,
+    ) -> None:
         self.header_timeout = header_timeout
         self.body_timeout = body_timeout
         self.max_connections = max_connections
+        self.max_headers = max_headers
+        self.max_header_value_bytes = max_header_value_bytes
+        self.max_head_bytes = max_head_bytes
+        self.admission = Admission(
+            max_connections=max_connections,
+            max_per_peer=max_connections_per_peer,
+            max_unauthenticated_per_peer=max_unauthenticated_per_peer,
+        )
 
     def protocol(self) -> type[HttpToolsProtocol]:
         """A protocol class for `uvicorn.Config(http=...)` bound to these limits."""
@@ -99,26 +106,63 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     _timer: asyncio.TimerHandle | None = None
     # (the request's cycle, what to call if its client leaves): see watch_disconnect
     _disconnect_watch: tuple[Any, Callable[[], None]] | None = None
+    _slot: Slot | None = None  # the connection's slot (http.admission), once admitted
+    _head_bytes = 0  # bytes received while a request's head is due, since the last complete head
+    _refusal: GatewayError | None = None  # a header over its cap: answered instead of the app
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > self.limits.max_connections:
-            self._refuse(
-                TooManyConnections(
-                    f"The gateway has {self.limits.max_connections} open connections, its limit; retry shortly."
-                )
-            )
+        client = self.client
+        admitted = self.limits.admission.admit(client[0] if client else "", self._let_go)
+        if isinstance(admitted, GatewayError):
+            self._refuse(admitted)
             return
+        self._slot = admitted
         self._expect("headers", self.limits.header_timeout)
         self._arm()
 
     def data_received(self, data: bytes) -> None:
+        if self._stage != "body":  # a head is due (this request's or the next one's): count it first
+            room = self.limits.max_head_bytes - self._head_bytes
+            if len(data) > room:
+                self._head_past_its_room(data, room)
+                return
+            self._head_bytes += len(data)
         super().data_received(data)
         if self._stage is not None and self._timer is None:
             self._arm()
 
+    def _head_past_its_room(self, data: bytes, room: int) -> None:
+        """A read longer than what is left of the head cap: httptools gets the part within the cap;
+        if the head ended there the rest goes on (a body, the next request), else 431."""
+        view = memoryview(data)
+        if room > 0:
+            self._head_bytes += room
+            # (httptools takes any buffer: the part is not copied)
+            super().data_received(view[:room])  # type: ignore[arg-type]
+            if self.transport.is_closing():
+                return
+        if self._head_bytes == 0:  # reset by on_headers_complete: the head ended within the cap
+            self.data_received(view[room:])  # type: ignore[arg-type]
+            return
+        self._disarm()
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:  # an answer is being written: no room for ours
+            self.transport.close()
+            return
+        self._refuse(
+            HeaderFieldsTooLarge(
+                f"The request's head (request line and headers) is longer than the gateway's limit of "
+                f"{self.limits.max_head_bytes} bytes (limits.max_head_bytes)."
+            )
+        )
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        slot = self._slot
+        if slot is not None:
+            self._slot = None
+            self.limits.admission.release(slot)
         super().connection_lost(exc)
         watch = self._disconnect_watch
         if watch is not None:
@@ -134,19 +178,68 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._disarm()
         self._refuse(InvalidRequest(f"Malformed HTTP request: {msg.rstrip('.')}.", code="invalid_http"))
 
+    def _let_go(self) -> None:
+        """This idle connection's slot goes to a newcomer (http.admission): closed, with a 503 if it
+        has never been answered or is sending a request's head, as a keep-alive expiry else."""
+        self._disarm()
+        if self.cycle is None or self._head_bytes:
+            self._refuse(
+                TooManyConnections(
+                    f"The gateway is at its limit of {self.limits.max_connections} connections and "
+                    "closed this idle one for a newer client; retry."
+                )
+            )
+        else:
+            self.transport.close()
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
         if self._stage is None:  # a keep-alive connection's next request: its headers are due too
             self._expect("headers", self.limits.header_timeout)
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._refusal is not None:
+            return
+        limits = self.limits
+        if len(value) > limits.max_header_value_bytes:
+            self._refusal = HeaderFieldsTooLarge(
+                f"The request header {echo(name.decode('latin-1'))!r} is longer than the gateway's limit of "
+                f"{limits.max_header_value_bytes} bytes a value (limits.max_header_value_bytes)."
+            )
+        elif len(self.headers) >= limits.max_headers:
+            self._refusal = HeaderFieldsTooLarge(
+                f"The request has more than {limits.max_headers} headers, the gateway's limit "
+                "(limits.max_request_headers)."
+            )
+        else:
+            super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
         self._stage = None
-        super().on_headers_complete()
+        self._head_bytes = 0
+        if self._slot is not None:
+            self.limits.admission.busy(self._slot)
+        refusal = self._refusal
+        if refusal is None:
+            super().on_headers_complete()
+        else:  # uvicorn runs the request as usual (its body is read and dropped), the refusal as its app
+            self._refusal = None
+            app, self.app = self.app, _Refuse(refusal)
+            try:
+                super().on_headers_complete()
+            finally:
+                self.app = app
         self._expect("body", self.limits.body_timeout)
 
     def on_message_complete(self) -> None:
         self._stage = None
         super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        slot = self._slot
+        if slot is not None and self.cycle.response_complete and not self.transport.is_closing():
+            self.limits.admission.idle(slot)  # between keep-alive requests
 
     # -- timers -----------------------------------------------------------------------------------
 
@@ -182,6 +275,34 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
+class _Refuse:
+    """An ASGI app that answers any request with `exc` and closes the connection."""
+
+    def __init__(self, exc: GatewayError) -> None:
+        self.exc = exc
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send_error(send, self.exc, [(b"connection", b"close")])
+
+
+def _protocol_of(send: Any) -> GatewayHttpProtocol | None:
+    """The GatewayHttpProtocol connection of the request `send` (uvicorn's) answers, or None."""
+    get_protocol = getattr(getattr(getattr(send, "__self__", None), "transport", None), "get_protocol", None)
+    protocol = get_protocol() if get_protocol is not None else None
+    return protocol if isinstance(protocol, GatewayHttpProtocol) else None
+
+
+def mark_authenticated(send: Any, *, keys_checked: bool = True) -> None:
+    """The request `send` answers passed the API key check: its connection counts as authenticated
+    (http.admission: it is let go last at the cap, and leaves its peer's unauthenticated count).
+    `keys_checked=False`: the gateway has no keys, so every connection counts as authenticated.
+    Nothing happens when `send` is not a GatewayHttpProtocol connection's."""
+    protocol = _protocol_of(send)
+    slot = protocol._slot if protocol is not None else None
+    if slot is not None and protocol is not None:
+        protocol.limits.admission.authenticate(slot, keys_checked)
+
+
 def abort_connection(send: Any) -> bool:
     """Close the connection of the request that `send` (uvicorn's) answers, at once, dropping what it
     has not sent; False if `send` is not uvicorn's. The request's pending `send` returns, and uvicorn
@@ -205,9 +326,8 @@ def watch_disconnect(send: Any, callback: Callable[[], None]) -> Callable[[], No
     before the request ends: the connection holds `callback` until then); None when `send` is
     not such a connection's (then wait on `receive` for `http.disconnect`)."""
     cycle: Any = getattr(send, "__self__", None)
-    get_protocol = getattr(getattr(cycle, "transport", None), "get_protocol", None)
-    protocol = get_protocol() if get_protocol is not None else None
-    if not isinstance(protocol, GatewayHttpProtocol) or not hasattr(cycle, "disconnected"):
+    protocol = _protocol_of(send)
+    if protocol is None or not hasattr(cycle, "disconnected"):
         return None
     if cycle.disconnected or cycle.response_complete:  # `receive` would answer http.disconnect at once
         protocol.loop.call_soon(callback)
@@ -221,146 +341,6 @@ def _keep_watching_nothing() -> None:
     pass
 
 
-class ChunkedWriter:
-    """A started chunked response's body, written straight to the client's transport (`body_writer`).
-
-    `write` takes bytes for the client; `flush` writes what was written since the last flush as one
-    HTTP/1.1 chunk in one system call (the relay flushes once per read from the engine: chunks
-    that arrived together leave together), after the response head if that is still held
-    (`start_body`: the head and the first chunk leave together), and returns True when the
-    client's buffer is above its high-water mark (uvicorn's flow control): the caller then waits
-    for `drain()` before writing more. A client that has gone is written nothing. The response
-    is ended through uvicorn's `send` (it keeps the connection's state for keep-alive), with what
-    `release` returns as its last body: the last chunks and the end of the response in one write.
-    """
-
-    __slots__ = ("_cycle", "_flow", "_head", "_pending", "_transport", "write")
-
-    def __init__(self, cycle: Any, head: bytes = b"") -> None:
-        self._cycle = cycle
-        self._flow = cycle.flow
-        self._transport = cycle.transport
-        self._head = head  # the response head, until the first flush
-        self._pending: list[bytes] = []
-        # `write(data)`: bytes for the client, kept until the next flush (the list's own `append`:
-        # the relay calls it once per chunk, and a method around it would cost a Python call).
-        self.write: Callable[[bytes], None] = self._pending.append
-
-    def flush(self) -> bool:
-        pending = self._pending
-        if pending:
-            data = pending[0] if len(pending) == 1 else b"".join(pending)
-            pending.clear()
-            if data:  # (an empty chunk would end the response)
-                data = b"%x\r\n%b\r\n" % (len(data), data)
-        elif not self._head:
-            return False
-        else:
-            data = b""
-        if self._head:
-            data = self._head + data
-            self._head = b""
-        if not data or self._cycle.disconnected:
-            return False
-        self._transport.write(data)
-        return self._flow.write_paused  # type: ignore[no-any-return]
-
-    async def drain(self) -> None:
-        self.flush()
-        if self._flow.write_paused and not self._cycle.disconnected:
-            await self._flow.drain()
-
-    def release(self) -> bytes:
-        """Before the response goes on through `send`: what was written and not flushed, to send first
-        (a head still held goes out now)."""
-        if self._head:
-            head, self._head = self._head, b""
-            if not self._cycle.disconnected:
-                self._transport.write(head)
-        body = b"".join(self._pending)
-        self._pending.clear()
-        return body
-
-
-class _HeldWrites:
-    """Stands in for a connection's transport while uvicorn's `send` writes a response head."""
-
-    __slots__ = ("data",)
-
-    def __init__(self) -> None:
-        self.data = b""
-
-    def write(self, data: bytes) -> None:
-        self.data += data
-
-
-class SendWriter:
-    """The same interface over any ASGI `send` (under a server other than the gateway's own): a flush
-    with something written asks for a drain, which sends it as one body message."""
-
-    __slots__ = ("_pending", "_send", "write")
-
-    def __init__(self, send: Any) -> None:
-        self._send = send
-        self._pending: list[bytes] = []
-        self.write: Callable[[bytes], None] = self._pending.append  # as ChunkedWriter's
-
-    def flush(self) -> bool:
-        return bool(self._pending)
-
-    async def drain(self) -> None:
-        if self._pending:
-            await self._send({"type": "http.response.body", "body": self.release(), "more_body": True})
-
-    def release(self) -> bytes:
-        """Before the response goes on through `send`: what was written and not sent, to send first."""
-        body = b"".join(self._pending)
-        self._pending.clear()
-        return body
-
-
-def body_writer(send: Any) -> ChunkedWriter | SendWriter:
-    """How to write the body of the response `send` has started: straight to uvicorn's transport
-    when `send` is uvicorn's and the response is chunked, else through `send`."""
-    cycle: Any = getattr(send, "__self__", None)
-    if (
-        getattr(cycle, "chunked_encoding", None) is True
-        and getattr(cycle, "response_started", False)
-        and not getattr(cycle, "response_complete", True)
-        and hasattr(cycle, "flow")
-        and hasattr(cycle, "transport")
-    ):
-        return ChunkedWriter(cycle)
-    return SendWriter(send)
-
-
-async def start_body(send: Any, message: MutableMapping[str, Any]) -> ChunkedWriter | SendWriter:
-    """Send `message` (`http.response.start`) and return the writer of the body it starts (`body_writer`).
-
-    Under uvicorn the head its `send` writes is held by the writer and leaves with the first
-    flush: the head and the first chunk in one system call instead of two. (uvicorn's `send`
-    writes a head to `cycle.transport` and does nothing else with it, and does not wait when
-    the client's buffer is not full: for that one call the transport is a stand-in.)"""
-    cycle: Any = getattr(send, "__self__", None)
-    transport = getattr(cycle, "transport", None)
-    flow = getattr(cycle, "flow", None)
-    if transport is None or flow is None or flow.write_paused or getattr(cycle, "response_started", True):
-        await send(message)
-        return body_writer(send)
-    held = _HeldWrites()
-    cycle.transport = held
-    try:
-        await send(message)
-    finally:
-        cycle.transport = transport
-    writer = body_writer(send)
-    if isinstance(writer, ChunkedWriter):
-        writer._head = held.data
-    elif held.data:
-        transport.write(held.data)
-    return writer
-
-
 # What the seam calls or overrides on uvicorn's classes; instance attributes are checked by the tests.
 PROTOCOL_METHODS = (
     "connection_made",
@@ -368,8 +348,10 @@ PROTOCOL_METHODS = (
     "connection_lost",
     "send_400_response",
     "on_message_begin",
+    "on_header",
     "on_headers_complete",
     "on_message_complete",
+    "on_response_complete",
 )
 CYCLE_METHODS = ("send", "receive")
 FLOW_METHODS = ("drain", "resume_reading", "pause_reading")
@@ -408,4 +390,9 @@ def protocol_for(settings: Any) -> type[HttpToolsProtocol] | str:
         header_timeout=limits.header_timeout,
         body_timeout=limits.body_timeout,
         max_connections=limits.max_client_connections,
+        max_connections_per_peer=limits.max_connections_per_peer,
+        max_unauthenticated_per_peer=limits.max_unauthenticated_per_peer,
+        max_headers=limits.max_request_headers,
+        max_header_value_bytes=limits.max_header_value_bytes,
+        max_head_bytes=limits.max_head_bytes,
     ).protocol()

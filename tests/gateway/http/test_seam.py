@@ -88,13 +88,16 @@ def test_a_body_that_never_finishes_closes_the_connection_and_nothing_stays_in_f
 
 @pytest.mark.one_process(
     "the cap counts one process's connections: with N workers the kernel's spread decides which "
-    "worker a connection meets, so cap+1 to N x cap are open before one is refused"
+    "worker a connection meets, so cap+1 to N x cap are open before one is let go"
 )
-def test_connections_beyond_the_cap_are_answered_503_and_closed(engines, gateway):
+def test_a_connection_beyond_the_cap_takes_the_slot_of_the_oldest_idle_one(engines, gateway):
+    """The oldest idle connection is answered 503 and closed, the newcomer served; when every
+    connection is busy the newcomer is refused instead (tests/gateway/http/test_client_limits.py)."""
     (engine,) = engines(1)
     gw = gateway(fast_settings({"standin": [engine.url]}, limits={"max_client_connections": 2}))
-    with _connect(gw.url) as first, _connect(gw.url), _connect(gw.url) as third:
-        status, body = _envelope(_read_all(third))
+    with _connect(gw.url) as first, _connect(gw.url) as second, _connect(gw.url) as third:
+        status, body = _envelope(_read_all(first))
         assert (status, body["error"]["code"]) == (503, "too_many_connections")
-        first.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
-        assert first.recv(65536).startswith(b"HTTP/1.1 200")
+        for sock in (second, third):
+            sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")

@@ -30,6 +30,7 @@ from server.gateway.errors import (
     send_error,
 )
 from server.gateway.http.asgi import Receive, Scope, Send, read_body
+from server.gateway.http.seam import mark_authenticated
 from server.gateway.observability.record import (
     CLIENT_CLOSED,
     RequestRecord,
@@ -87,6 +88,7 @@ class ProxiedEndpoints:
             await send_error(send, exc, id_header)
             self.reporter.finish(record)
             return
+        mark_authenticated(send, keys_checked=bool(self.keys))  # its connection is let go last (http.admission)
         request: GatewayRequest | None = None
         try:
             limit = self.max_upload_bytes if endpoint.model_from == "form" else self.max_body_bytes

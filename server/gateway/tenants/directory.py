@@ -1,0 +1,91 @@
+"""Who is calling: the tenant an API key belongs to, and what that tenant may do.
+
+The key alone says who calls: nothing the client sends besides it (an `x-tenant` header, a
+`user` field) is read. A presented key is compared with every configured key, each in constant
+time and without an early exit, so the time an answer takes says nothing about which key, or
+how much of one, matched. Keys stay bytes in memory and appear nowhere else: not in logs, not in
+errors, not in what engines are sent.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.gateway.settings import Tenant
+from server.gateway.tenants.errors import ModelNotAllowed
+from server.gateway.tenants.quota import Clock, Headers, Quota, Ticket, reservation
+
+# Body fields a client could use to claim more than its tenant gives it: taken out of the body
+# the engine gets (the priority of issue 32 comes from the tenant, never from the client).
+CLAIMED_FIELDS = ("priority",)
+
+
+def match_index(presented: bytes, keys: Sequence[bytes]) -> int | None:
+    """The index of `presented` in `keys`, comparing with all of them, each in constant time."""
+    found = -1
+    for index, key in enumerate(keys):
+        if hmac.compare_digest(presented, key):
+            found = index
+    return found if found >= 0 else None
+
+
+@dataclass(slots=True)
+class TenantRuntime:
+    """One configured tenant while the gateway runs: its config and its quota."""
+
+    config: Tenant
+    quota: Quota | None  # None: no limits, nothing to count
+    allowed: frozenset[str] | None = field(default=None)  # models it may use; None: all
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def may_use(self, model: str) -> bool:
+        return self.allowed is None or model in self.allowed
+
+    def admit(self, model: str, body: dict[str, Any], raw_length: int) -> tuple[Ticket | None, Headers]:
+        """Refuse a model it may not use (ModelNotAllowed) or a request over quota (QuotaExceeded);
+        else the quota's ticket (None without limits) and the answer's rate-limit headers."""
+        if not self.may_use(model):
+            raise ModelNotAllowed(self.name, model)
+        if self.quota is None:
+            return None, []
+        return self.quota.admit(reservation(body, raw_length))
+
+
+def without_claims(body: dict[str, Any]) -> dict[str, Any] | None:
+    """`body` without the fields a client may not set under a tenant, or None when it has none."""
+    if not any(name in body for name in CLAIMED_FIELDS):
+        return None
+    return {k: v for k, v in body.items() if k not in CLAIMED_FIELDS}
+
+
+class TenantDirectory:
+    """Every tenant by its keys (see the module doc); built once at start."""
+
+    def __init__(self, tenants: Iterable[tuple[Tenant, Sequence[bytes]]], clock: Clock | None = None) -> None:
+        self.tenants: dict[str, TenantRuntime] = {}
+        self.keys: list[bytes] = []
+        self._owners: list[TenantRuntime] = []
+        for config, keys in tenants:
+            limits = config.limits
+            limited = limits.requests_per_minute or limits.tokens_per_minute or limits.max_concurrent
+            quota = (Quota(limits) if clock is None else Quota(limits, clock)) if limited else None
+            allowed = frozenset(config.models) if config.models is not None else None
+            runtime = TenantRuntime(config, quota, allowed)
+            self.tenants[config.name] = runtime
+            for key in keys:
+                self.keys.append(key)
+                self._owners.append(runtime)
+
+    def find(self, key: bytes) -> TenantRuntime | None:
+        """The tenant `key` belongs to, or None."""
+        index = match_index(key, self.keys)
+        return self._owners[index] if index is not None else None
+
+    def names(self) -> list[str]:
+        return list(self.tenants)

@@ -43,6 +43,8 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from server.gateway.observability.tenant_metrics import TenantCounters
+
 # Seconds. From a few milliseconds (a small model, a warm prefix cache) to minutes (a long prompt
 # queued behind others on a busy engine); finer where SLOs usually sit (100 ms - 2 s).
 TTFT_BUCKETS = (
@@ -278,6 +280,7 @@ class GatewayMetrics:
             registry=reg,
         )
         self._by_reason: dict[tuple[str, str], Counter] = {}
+        self._tenants = TenantCounters(reg)
 
     def _series(self, model: str) -> _ModelSeries:
         series = self._models.get(model)
@@ -366,6 +369,10 @@ class GatewayMetrics:
             series.prompt_tokens._value.inc(prompt_tokens)
         if completion_tokens > 0:
             series.completion_tokens._value.inc(completion_tokens)
+
+    def tenant_usage(self, tenant: str, model: str, status: int, prompt: int, cached: int, completion: int) -> None:
+        """One request of `tenant` (a configured name: a bounded set) for `model` ended with `status`."""
+        self._tenants.count(tenant, self._series(model).label, status, prompt, cached, completion)
 
     def trimmed(self, model: str, messages: int, tokens: int) -> None:
         """History trimming dropped `messages` messages worth `tokens` prompt tokens."""

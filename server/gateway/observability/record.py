@@ -26,6 +26,7 @@ CLIENT_CLOSED = 499  # nginx's code for "the client closed the connection"; logs
 # deadline passed while the gateway waited to hand the client a chunk, not while it waited for the
 # engine (that is the engine's idle timeout, a 504-style error event in the stream).
 CLIENT_STALLED = "client_stalled"
+_NO_FIELDS: dict[str, Any] = {}
 
 
 class RequestMetrics(Protocol):
@@ -61,6 +62,7 @@ class RequestRecord:
     trimmed_messages: int | None = None
     trimmed_tokens: int | None = None
     routing: Decision | None = None  # why `engine` was chosen (explained only when the log line is written)
+    tenant: str | None = None  # the caller's tenant (server.gateway.tenants), when the gateway has tenants
 
 
 def _token_count(value: object) -> int | None:
@@ -77,12 +79,33 @@ def token_counts(usage: dict[str, Any]) -> tuple[int | None, int | None]:
     return _token_count(prompt), _token_count(completion)
 
 
-class RequestReporter:
-    """Opens and closes the books on each request: in-flight gauge, counters, histograms, log line."""
+def cached_count(usage: dict[str, Any]) -> int:
+    """Prompt tokens the engine found in its prefix cache (`prompt_tokens_details.cached_tokens`,
+    Responses: `input_tokens_details`); 0 when it does not say (vLLM reports it with
+    `--enable-prompt-tokens-details`)."""
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+    return (_token_count(details.get("cached_tokens")) or 0) if isinstance(details, dict) else 0
 
-    def __init__(self, metrics: RequestMetrics, log_request: Callable[..., None] | None) -> None:
+
+class TenantUsage(Protocol):
+    """Where a tenant's request is booked when it ends (metrics and the usage ledger: app.factory)."""
+
+    def __call__(self, tenant: str, model: str, status: int, prompt: int, cached: int, completion: int) -> None: ...
+
+
+class RequestReporter:
+    """Opens and closes the books on each request: in-flight gauge, counters, histograms, log line;
+    with tenants, also the tenant's usage (`tenant_usage`, for records that carry a tenant)."""
+
+    def __init__(
+        self,
+        metrics: RequestMetrics,
+        log_request: Callable[..., None] | None,
+        tenant_usage: TenantUsage | None = None,
+    ) -> None:
         self.metrics = metrics
         self.log_request = log_request
+        self.tenant_usage = tenant_usage
 
     def open(self, record: RequestRecord, model: str) -> None:
         """The request's model is known and served: from now on it is in flight under that label."""
@@ -106,6 +129,15 @@ class RequestReporter:
             metrics.endpoint_request(record.endpoint, record.status)
             if record.routing is not None:
                 metrics.routing_decision(model, record.routing.reason)
+            if record.tenant is not None and self.tenant_usage is not None:
+                self.tenant_usage(
+                    record.tenant,
+                    model,
+                    record.status,
+                    prompt_tokens or 0,
+                    cached_count(usage),
+                    completion_tokens or 0,
+                )
         if self.log_request is not None:
             self.log_request(
                 request_id=record.request_id,
@@ -121,4 +153,5 @@ class RequestReporter:
                 trimmed_tokens=record.trimmed_tokens,
                 error=record.error,
                 routing=record.routing.explain() if record.routing is not None else None,
+                **({"tenant": record.tenant} if record.tenant is not None else _NO_FIELDS),
             )

@@ -53,6 +53,8 @@ SUMMARY: tuple[tuple[str, str, Callable[[float], str]], ...] = (
     ("added_ttft_x2_minus_router_ms", "two workers", ms),
     ("added_ttft_side_by_side_x1_minus_router_ms", "side by side", ms),
     ("capped_ceiling_ratio", "2 capped workers / 1", ratio),
+    ("cpu_ratio_side_by_side_vs_before", "CPU per chunk side by side / the code before's", ratio),
+    ("added_ttft_side_by_side_vs_before_ms", "added TTFT side by side minus the code before's", ms),
     ("answer_length_per_chunk_ratio", "per chunk / the router's", ratio),
     ("answer_length_per_request_ratio", "per request", ratio),
 )
@@ -86,7 +88,9 @@ def gateway_runs_page() -> str:
         "between runs: [Relay CPU per chunk](../benchmarks/relay-cpu.md)). These runs were reports under",
         "`docs/bench/splice-runs/`, folded here; their figures were read back into",
         "`docs/results/data/gateway-runs.json` (the runs' own JSON was not committed, except run 19's,",
-        "`docs/bench/workers.json`). Runs " + ", ".join(dirty) + " were measured on an uncommitted tree",
+        "`docs/bench/workers.json`). Run R1 is the first after the FastAPI/layers restructure (2 December,",
+        "a loaded machine), side by side against the code before it; its report and JSON stay in",
+        "`docs/bench/fastapi-restructure/`. Runs " + ", ".join(dirty) + " were measured on an uncommitted tree",
         "(`+dirty`): the code they ran is the named commit plus changes that are not in the repository.",
         "",
         "![CPU per chunk over vllm-router's, and the capped two-worker ceiling, run by run](img/gateway-runs.png)",
@@ -175,7 +179,8 @@ def gateway_runs_page() -> str:
             out += ['!!! warning "Measured on an uncommitted tree"', "", warning, ""]
         summary = "; ".join(f"{label} {fmt(r['figures'][key])}" for key, label, fmt in SUMMARY if key in r["figures"])
         out += [f"{r['date'][:16].replace('T', ' ')} UTC, {commit_cell(r)}: {summary}.", ""]
-        out += collapsed(r["report"], f"The whole report (was `{r['was']}`)")
+        where = "was" if "splice-runs" in r["was"] else "also at"
+        out += collapsed(r["report"], f"The whole report ({where} `{r['was']}`)")
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -1,14 +1,17 @@
 """Who is calling: the tenant an API key belongs to, and what that tenant may do.
 
 The key alone says who calls: nothing the client sends besides it (an `x-tenant` header, a
-`user` field) is read. A presented key is compared with every configured key, each in constant
-time and without an early exit, so the time an answer takes says nothing about which key, or
-how much of one, matched. Keys stay bytes in memory and appear nowhere else: not in logs, not in
-errors, not in what engines are sent.
+`user` field) is read. A presented key is looked up by its SHA-256 digest (one dict lookup
+whatever the number of keys: comparing with each of 200 keys costs ~0.2 ms a request), then
+compared with the key found in constant time (`hmac.compare_digest`): how long the lookup takes
+depends on the digest, which says nothing about how much of a real key a guess shares. Keys
+stay bytes in memory and appear nowhere else: not in logs, not in errors, not in what engines
+are sent.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -23,13 +26,9 @@ from server.gateway.tenants.quota import Clock, Headers, Quota, Ticket, reservat
 CLAIMED_FIELDS = ("priority",)
 
 
-def match_index(presented: bytes, keys: Sequence[bytes]) -> int | None:
-    """The index of `presented` in `keys`, comparing with all of them, each in constant time."""
-    found = -1
-    for index, key in enumerate(keys):
-        if hmac.compare_digest(presented, key):
-            found = index
-    return found if found >= 0 else None
+def key_digest(key: bytes) -> bytes:
+    """What a key is looked up by: its SHA-256, so the lookup's time depends on no byte of the key."""
+    return hashlib.sha256(key).digest()
 
 
 @dataclass(slots=True)
@@ -70,7 +69,7 @@ class TenantDirectory:
     def __init__(self, tenants: Iterable[tuple[Tenant, Sequence[bytes]]], clock: Clock | None = None) -> None:
         self.tenants: dict[str, TenantRuntime] = {}
         self.keys: list[bytes] = []
-        self._owners: list[TenantRuntime] = []
+        self._by_digest: dict[bytes, tuple[bytes, TenantRuntime]] = {}
         for config, keys in tenants:
             limits = config.limits
             limited = limits.requests_per_minute or limits.tokens_per_minute or limits.max_concurrent
@@ -80,12 +79,14 @@ class TenantDirectory:
             self.tenants[config.name] = runtime
             for key in keys:
                 self.keys.append(key)
-                self._owners.append(runtime)
+                self._by_digest[key_digest(key)] = (key, runtime)
 
     def find(self, key: bytes) -> TenantRuntime | None:
         """The tenant `key` belongs to, or None."""
-        index = match_index(key, self.keys)
-        return self._owners[index] if index is not None else None
+        found = self._by_digest.get(key_digest(key))
+        if found is None or not hmac.compare_digest(found[0], key):
+            return None
+        return found[1]
 
     def names(self) -> list[str]:
         return list(self.tenants)

@@ -55,10 +55,11 @@ def format_reset(seconds: float) -> str:
 class Bucket:
     """`limit` units refilling at `limit / window` per second; `level` may go negative (debt)."""
 
-    __slots__ = ("at", "level", "limit", "rate")
+    __slots__ = ("at", "level", "limit", "limit_text", "rate")
 
     def __init__(self, limit: int, window: float, now: float) -> None:
         self.limit = limit
+        self.limit_text = str(limit).encode()
         self.rate = limit / window
         self.level = float(limit)
         self.at = now
@@ -78,7 +79,7 @@ class Bucket:
 
     def headers(self, kind: bytes) -> Headers:
         return [
-            (b"x-ratelimit-limit-" + kind, str(self.limit).encode()),
+            (b"x-ratelimit-limit-" + kind, self.limit_text),
             (b"x-ratelimit-remaining-" + kind, str(max(0, math.floor(self.level))).encode()),
             (b"x-ratelimit-reset-" + kind, format_reset(self.reset()).encode()),
         ]

@@ -1,4 +1,4 @@
-"""Who calls: a key to its tenant (constant time, all keys compared), the allow-list, the body
+"""Who calls: a key to its tenant (by digest, then compared in constant time), the allow-list, the body
 fields a client may not claim (server.gateway.tenants.directory)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from server.gateway.settings import Tenant
-from server.gateway.tenants.directory import TenantDirectory, match_index, without_claims
+from server.gateway.tenants.directory import TenantDirectory, without_claims
 from server.gateway.tenants.errors import ModelNotAllowed
 
 
@@ -14,14 +14,12 @@ def tenant(name: str, **fields: object) -> Tenant:
     return Tenant.model_validate({"name": name, "api_keys": ["x"], **fields})
 
 
-def test_match_index_finds_the_key_among_all_and_nothing_else():
-    keys = [b"sk-a", b"sk-b", b"sk-c"]
-    assert match_index(b"sk-b", keys) == 1
-    assert match_index(b"sk-c", keys) == 2
-    assert match_index(b"sk-", keys) is None  # a prefix is not a key
-    assert match_index(b"sk-bb", keys) is None
-    assert match_index(b"", keys) is None
-    assert match_index(b"sk-a", []) is None
+def test_only_the_whole_key_finds_its_tenant():
+    directory = TenantDirectory([(tenant("a"), [b"sk-a"]), (tenant("b"), [b"sk-b", b"sk-bb"])])
+    assert directory.find(b"sk-bb").name == "b"
+    for guess in (b"sk-", b"sk-b ", b"sk-bbb", b"", b"SK-A", b"sk-a\x00"):
+        assert directory.find(guess) is None, guess
+    assert TenantDirectory([]).find(b"sk-a") is None
 
 
 def test_each_key_finds_its_own_tenant():

@@ -21,14 +21,15 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from server.config import ServedModel
+from server.gateway.app.admin import admin_router
 from server.gateway.app.application import GatewayApp
-from server.gateway.app.auth import load_admin_keys, load_api_keys
+from server.gateway.app.auth import load_admin_keys, load_api_keys, load_tenants
 from server.gateway.app.hooks import apply_hooks
 from server.gateway.app.proxied import ProxiedEndpoints
 from server.gateway.app.state import GatewayState
 from server.gateway.observability.logs import log_request as default_log_request
 from server.gateway.observability.metrics import GatewayMetrics
-from server.gateway.observability.record import RequestReporter
+from server.gateway.observability.record import RequestReporter, TenantUsage
 from server.gateway.proxy.proxy import Proxy
 from server.gateway.proxy.transport import UpstreamTransport
 from server.gateway.proxy.upstream import ClientUpstream, Upstream
@@ -43,6 +44,8 @@ from server.gateway.replicas.pool import EnginePool
 from server.gateway.replicas.precise import PreciseIndex
 from server.gateway.replicas.scraper import EngineMetricsScraper
 from server.gateway.settings import GatewaySettings
+from server.gateway.tenants.directory import TenantDirectory
+from server.gateway.tenants.usage import UsageLedger
 from server.gateway.trimming.step import HistoryTrimming
 from server.gateway.trimming.target import make_lookup
 
@@ -121,6 +124,12 @@ def create_app(
     )
     ops_client = _ops_client(settings)
     keys = load_api_keys(settings.auth, environ, base=settings.source.parent if settings.source else None)
+    admin_keys = load_admin_keys(settings.auth, environ)
+    tenants = load_tenants(settings, environ, admin_keys=admin_keys)
+    if tenants is not None:
+        keys = tenants.keys  # every model key is a tenant's: no authorization header reaches an engine
+        _warn_unserved(tenants, models)
+    ledger = UsageLedger() if tenants is not None else None
 
     health = HealthChecker(upstreams, ops_client, settings.health)
     scraper = EngineMetricsScraper(upstreams.engines(), client=ops_client, interval=settings.metrics_scrape_interval)
@@ -187,13 +196,40 @@ def create_app(
     proxied = ProxiedEndpoints(
         state=state,
         proxy=proxy,
-        reporter=RequestReporter(metrics, log_request if settings.access_log else None),
+        reporter=RequestReporter(
+            metrics, log_request if settings.access_log else None, _tenant_usage(metrics, ledger) if ledger else None
+        ),
         steps=[trimming],
         keys=keys,
         max_body_bytes=settings.limits.max_body_bytes,
-        admin_keys=load_admin_keys(settings.auth, environ),
+        admin_keys=admin_keys,
         max_upload_bytes=settings.limits.max_upload_bytes,
+        tenants=tenants,
     )
     app = GatewayApp(state=state, proxied=proxied, lifespan=lifespan)
+    if ledger is not None:
+        app.include_router(admin_router(admin_keys, ledger))
     apply_hooks(app, settings.app_hooks)
     return app
+
+
+def _tenant_usage(metrics: Any, ledger: UsageLedger) -> TenantUsage:
+    """Where a tenant's finished request is booked: the `gateway_tenant_*` counters and the ledger."""
+    count = getattr(metrics, "tenant_usage", None)  # (a test's own metrics object may not count tenants)
+    record = ledger.record
+
+    def book(tenant: str, model: str, status: int, prompt: int, cached: int, completion: int) -> None:
+        if count is not None:
+            count(tenant, model, status, prompt, cached, completion)
+        record(tenant, model, status, prompt, cached, completion)
+
+    return book
+
+
+def _warn_unserved(tenants: TenantDirectory, models: Sequence[ServedModel]) -> None:
+    """Allow-listed names no engine serves as a base model: a typo, or a LoRA adapter loaded later."""
+    served = {model.name for model in models}
+    for tenant in tenants.tenants.values():
+        unknown = sorted((tenant.allowed or frozenset()) - served)
+        if unknown:
+            log.warning("tenant %s: models %s are not served base models (LoRA adapters?)", tenant.name, unknown)

@@ -8,8 +8,10 @@ GET /metrics                 Prometheus text (the gateway's and the engines' fig
 
 Each answers HEAD as well. The model list needs the API key (when the gateway has keys);
 /health, /ready and /metrics need it only with `auth.protect_ops_endpoints`, so probes and
-Prometheus need none (`api_key`, a dependency of the router). The response models describe the
-answers in /openapi.json; the cards themselves are the engines' own, passed on as they came.
+Prometheus need none (`api_key`, a dependency of the router). With tenants the list holds
+only the models the caller's tenant may use, and another model's card is 403 model_not_allowed.
+The response models describe the answers in /openapi.json; the cards themselves are the engines'
+own, passed on as they came.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict
 
-from server.gateway.app.auth import check_api_key
+from server.gateway.app.auth import check_api_key, identify_tenant
 from server.gateway.app.state import GatewayState
 from server.gateway.errors import ModelNotFound, RouteNotFound
 from server.gateway.jsonio import dumps
 from server.gateway.replicas import adapters
+from server.gateway.tenants.directory import TenantRuntime
+from server.gateway.tenants.errors import ModelNotAllowed
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # no API key unless protect_ops_endpoints
 
@@ -45,6 +49,13 @@ def api_key(request: Request, state: State) -> None:
         check_api_key(request.scope["headers"], state.keys)
 
 
+def caller(request: Request) -> TenantRuntime | None:
+    """The caller's tenant when the gateway has tenants (the model list shows only its models)."""
+    tenants = getattr(getattr(request.app, "proxied", None), "tenants", None)
+    return identify_tenant(request.scope["headers"], tenants) if tenants is not None else None
+
+
+Caller = Annotated[TenantRuntime | None, Depends(caller)]
 router = APIRouter(dependencies=[Depends(api_key)], tags=["gateway"])
 Handler = Callable[..., Awaitable[Response]]
 
@@ -99,9 +110,11 @@ def _json(body: Any, status: int = 200) -> Response:
 
 
 @_get("/v1/models", response_model=ModelList, summary="List the served models")
-async def list_models(state: State) -> Response:
+async def list_models(state: State, tenant: Caller) -> Response:
     cards = [pool.card() for pool in state.upstreams.models.values()]
     cards += adapters.all_adapter_cards(state.upstreams)
+    if tenant is not None and tenant.allowed is not None:
+        cards = [card for card in cards if tenant.may_use(str(card.get("id")))]
     return _json({"object": "list", "data": cards})
 
 
@@ -109,11 +122,16 @@ async def list_models(state: State) -> Response:
     "/v1/models/{model:path}",
     response_model=ModelCard,
     summary="One served model or LoRA adapter",
-    responses={404: {"description": "No such model (model_not_found)"}},
+    responses={
+        403: {"description": "The caller's tenant may not use it (model_not_allowed)"},
+        404: {"description": "No such model (model_not_found)"},
+    },
 )
-async def get_model(model: str, state: State) -> Response:
+async def get_model(model: str, state: State, tenant: Caller) -> Response:
     if not model:
         raise RouteNotFound("Not found.")
+    if tenant is not None and not tenant.may_use(model):
+        raise ModelNotAllowed(tenant.name, model)
     pools = state.upstreams
     if model in pools.models:
         return _json(pools.get(model).card())

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from time import perf_counter
 
-from server.gateway.app.auth import check_api_key
+from server.gateway.app.auth import check_api_key, identify_tenant
 from server.gateway.app.state import GatewayState
 from server.gateway.errors import (
     ClientDisconnected,
@@ -35,12 +35,16 @@ from server.gateway.observability.record import (
     CLIENT_CLOSED,
     RequestRecord,
     RequestReporter,
+    token_counts,
 )
 from server.gateway.proxy.proxy import Proxy
 from server.gateway.request.endpoints import Endpoint
 from server.gateway.request.ids import request_id_from
 from server.gateway.request.request import GatewayRequest, parse_request
 from server.gateway.request.targets import resolve, served
+from server.gateway.tenants.directory import TenantDirectory, TenantRuntime, without_claims
+from server.gateway.tenants.errors import ModelNotAllowed
+from server.gateway.tenants.quota import Ticket
 
 log = logging.getLogger("gateway")
 
@@ -61,6 +65,7 @@ class ProxiedEndpoints:
         max_body_bytes: int = 32 * 2**20,
         admin_keys: list[bytes] | None = None,
         max_upload_bytes: int = 25 * 2**20,
+        tenants: TenantDirectory | None = None,
     ) -> None:
         self.state = state
         self.proxy = proxy
@@ -70,6 +75,7 @@ class ProxiedEndpoints:
         self.max_body_bytes = max_body_bytes
         self.max_upload_bytes = max_upload_bytes  # multipart uploads (audio)
         self.admin_keys = admin_keys or []  # runtime LoRA load/unload; with none, those are refused
+        self.tenants = tenants  # None: no tenants, `keys` (if any) are one anonymous caller's
 
     async def handle(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send, param: str = "") -> None:
         """Answer one request for `endpoint` (`param`: the value of its path parameter, if it has one)."""
@@ -77,11 +83,15 @@ class ProxiedEndpoints:
         rid = request_id_from(headers)
         id_header = [(b"x-request-id", rid.encode())]
         record = RequestRecord(rid, endpoint.name, perf_counter())
+        tenant: TenantRuntime | None = None
         try:
             if endpoint.fan_out:
                 self._check_admin(headers)
-            else:
+            elif self.tenants is None:
                 check_api_key(headers, self.keys)
+            else:
+                tenant = identify_tenant(headers, self.tenants)
+                record.tenant = tenant.name
         except GatewayError as exc:
             # Counted under no model: the body of a client without a valid key is not read.
             record.status, record.error = exc.status, exc.message
@@ -90,6 +100,7 @@ class ProxiedEndpoints:
             return
         mark_authenticated(send, keys_checked=bool(self.keys))  # its connection is let go last (http.admission)
         request: GatewayRequest | None = None
+        ticket: Ticket | None = None
         try:
             limit = self.max_upload_bytes if endpoint.model_from == "form" else self.max_body_bytes
             raw = await read_body(receive, headers, limit) if endpoint.method == "POST" else b""
@@ -102,9 +113,13 @@ class ProxiedEndpoints:
                 query=scope.get("query_string", b""),
                 param=param,
             )
+            if tenant is not None and request.model and not tenant.may_use(request.model):
+                raise ModelNotAllowed(tenant.name, request.model)  # before resolve: says nothing of other models
             pool = resolve(self.state.upstreams, request)
             self.reporter.open(record, request.model)
             record.stream = request.stream
+            if tenant is not None:
+                ticket = self._admit(tenant, request)
             for step in self.steps:
                 await step(request)
             if endpoint.fan_out:
@@ -136,7 +151,20 @@ class ProxiedEndpoints:
         finally:
             if request is not None:
                 record.trimmed_messages, record.trimmed_tokens = request.trimmed_messages, request.trimmed_tokens
+            if ticket is not None:
+                ticket.settle(_tokens_used(record))
             self.reporter.finish(record)
+
+    @staticmethod
+    def _admit(tenant: TenantRuntime, request: GatewayRequest) -> Ticket | None:
+        """The tenant's model allow-list and quota (raises ModelNotAllowed, QuotaExceeded); the
+        answer gets its rate-limit headers, and the engine a body without the client's claims."""
+        ticket, headers = tenant.admit(request.model, request.body, len(request.raw))
+        if headers:
+            request.response_headers.extend(headers)
+        if request.endpoint.model_from == "json" and (body := without_claims(request.body)) is not None:
+            request.replace_body(body)
+        return ticket
 
     def _label(self, record: RequestRecord, named: str | None) -> None:
         """A request refused before routing is counted under the model it named if that one is served
@@ -152,3 +180,14 @@ class ProxiedEndpoints:
                 "(auth.admin_keys_env, GATEWAY_ADMIN_KEYS by default)."
             )
         check_api_key(headers, self.admin_keys)
+
+
+def _tokens_used(record: RequestRecord) -> int | None:
+    """What a finished request cost its tenant's tokens quota: the engine's usage; 0 for a refusal
+    the engine did no work for; None (the reservation stands) when nothing says (a client that left)."""
+    prompt, completion = token_counts(record.usage) if isinstance(record.usage, dict) else (None, None)
+    if prompt is not None or completion is not None:
+        return (prompt or 0) + (completion or 0)
+    if record.status >= 400 and record.status != CLIENT_CLOSED:
+        return 0
+    return None

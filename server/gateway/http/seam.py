@@ -135,10 +135,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def _head_past_its_room(self, data: bytes, room: int) -> None:
         """A read longer than what is left of the head cap: httptools gets the part within the cap;
         if the head ended there the rest goes on (a body, the next request), else 431."""
-        view = memoryview(data)
+        view = memoryview(data)  # httptools takes any buffer: the parts are not copied
         if room > 0:
             self._head_bytes += room
-            # (httptools takes any buffer: the part is not copied)
             super().data_received(view[:room])  # type: ignore[arg-type]
             if self.transport.is_closing():
                 return
@@ -182,6 +181,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         """This idle connection's slot goes to a newcomer (http.admission): closed, with a 503 if it
         has never been answered or is sending a request's head, as a keep-alive expiry else."""
         self._disarm()
+        if self.transport.is_closing():  # already on its way out (its slot is freed when it is gone)
+            return
         if self.cycle is None or self._head_bytes:
             self._refuse(
                 TooManyConnections(

@@ -23,9 +23,9 @@ forwards each signal to every worker (they run in their own process group, so a 
 Ctrl-C reaches them once, through it) and returns when all have exited. A worker that dies is
 replaced (same index and port, with a back-off; `gateway_worker_restarts_total`) while the others
 keep serving; past `limits.worker_restarts_per_minute` the supervisor stops the others (they
-drain) and returns 1, for the container or service manager to restart the gateway. A supervisor that dies without a word (SIGKILL) takes its workers
-along: each asks the kernel for SIGTERM when its parent dies (PR_SET_PDEATHSIG) and also
-watches its parent id, so no worker outlives it.
+drain) and returns 1, for the container or service manager to restart the gateway. A supervisor
+that dies without a word (SIGKILL) takes its workers along: each asks the kernel for SIGTERM when
+its parent dies (PR_SET_PDEATHSIG) and also watches its parent id, so no worker outlives it.
 """
 
 from __future__ import annotations

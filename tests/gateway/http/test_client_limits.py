@@ -105,6 +105,19 @@ def test_a_head_just_within_the_caps_is_served(engines, gateway):
     assert httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body(), headers=small, timeout=WAIT_TIMEOUT).is_success
 
 
+def test_a_body_in_the_same_read_as_its_head_is_not_counted_as_head(engines, gateway):
+    """A 1 MiB body sent with its head in one write: the reads past the head cap are split where
+    the head ends (the body goes on whole: it parses), then a second request on the connection."""
+    (engine,) = engines(1)
+    gw = gateway(_settings(engine.url), environ=ENVIRON)
+    body = json.dumps(chat_body("x" * (1 << 20))).encode()
+    request = CHAT + b"authorization: Bearer %s\r\ncontent-length: %d\r\n\r\n" % (KEY.encode(), len(body)) + body
+    with _connect(gw.url) as sock:
+        sock.sendall(request + _chat())
+        assert _read_response(sock)[0] == 200
+        assert _read_response(sock)[0] == 200
+
+
 def _rss_bytes() -> int:
     with open(f"/proc/{os.getpid()}/status") as status:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))

@@ -159,10 +159,11 @@ class ProxiedEndpoints:
     def _admit(tenant: TenantRuntime, request: GatewayRequest) -> Ticket | None:
         """The tenant's model allow-list and quota (raises ModelNotAllowed, QuotaExceeded); the
         answer gets its rate-limit headers, and the engine a body without the client's claims."""
-        ticket, headers = tenant.admit(request.model, request.body, len(request.raw))
+        json = request.endpoint.model_from == "json"  # an upload's bytes (audio) are no prompt estimate
+        ticket, headers = tenant.admit(request.model, request.body, len(request.raw) if json else 0)
         if headers:
             request.response_headers.extend(headers)
-        if request.endpoint.model_from == "json" and (body := without_claims(request.body)) is not None:
+        if json and (body := without_claims(request.body)) is not None:
             request.replace_body(body)
         return ticket
 

@@ -59,8 +59,9 @@ def _chat(key: str | None = KEY) -> bytes:
 def _open(sock: socket.socket) -> bool:
     """Nothing came from the gateway on `sock` since its last answer was read, and it is not closed
     (a connection the gateway let go has an answer, its end or a reset to read)."""
-    readable, _, _ = select.select([sock], [], [], 0)
-    return not readable
+    poller = select.poll()  # (not select.select: these tests hold more than 1,024 descriptors)
+    poller.register(sock, select.POLLIN)
+    return not poller.poll(0)
 
 
 # -- request heads -------------------------------------------------------------------------------

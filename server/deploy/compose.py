@@ -63,6 +63,12 @@ def check_plan(plan: DeploymentPlan, compose_dir: Path) -> None:
     """
     configs = (compose_dir.parent / "configs").resolve()
     for model in plan.models:
+        if model.profile is not None and model.profile.nodes > 1 and model.engines:
+            raise ComposeError(
+                f"{model.profile_path}: one engine spans {model.profile.nodes} nodes (data-parallel-size "
+                f"{model.profile.data_parallel_size}, {model.profile.data_parallel_size_local} a node); compose runs "
+                "one host: use the Helm chart (a LeaderWorkerSet), or give the model's `urls`"
+            )
         if model.profile_path is not None and not model.profile_path.resolve().is_relative_to(configs):
             raise ComposeError(
                 f"{model.profile_path}: the gateway container sees {configs} only; keep the profile under it"

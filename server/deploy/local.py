@@ -73,6 +73,11 @@ def up(
         print(f"error: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings)
+    for model in plan.models:
+        if model.profile is not None and model.engines and model.profile.nodes > 1:
+            print(f"error: model {model.name}: one engine spans {model.profile.nodes} nodes; `up` runs one host "
+                  "(the Helm chart runs it as a LeaderWorkerSet)", file=sys.stderr)  # fmt: skip
+            return 2
     profiles = {model.name: model.profile for model in plan.models if model.profile is not None}
     for name, profile in profiles.items():
         try:

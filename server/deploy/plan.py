@@ -203,7 +203,7 @@ def plan_deployment(
                 services.add(service)
                 gpus: tuple[int, ...] = ()
                 if profile.device == "gpu":
-                    width = profile.tensor_parallel_size * profile.pipeline_parallel_size
+                    width = profile.gpus_per_node  # tensor x pipeline x local data-parallel ranks
                     gpus = tuple(range(next_gpu, next_gpu + width))
                     next_gpu += width
                 host, port = (LOCAL_HOST, base + i) if placement == "local" else (service, SERVICE_PORT)

@@ -88,14 +88,16 @@ def check_profile(profile: Profile, host: HostInfo | None = None) -> list[str]:
                 "with AVX-512 or AMX.' Use kv-cache-dtype: auto"
             )
     else:
-        gpus_needed = profile.tensor_parallel_size * profile.pipeline_parallel_size
+        gpus_needed = profile.gpus_per_node  # tensor x pipeline x this node's data-parallel ranks
         if host.gpu_count == 0:
             problems.append(
                 "this is a GPU profile (device: gpu) and this host has no NVIDIA GPU "
                 "(nvidia-smi finds none); use a CPU profile such as tiny-cpu"
             )
         elif host.gpu_count < gpus_needed:
-            problems.append(f"tensor x pipeline parallel size is {gpus_needed} GPUs; this host has {host.gpu_count}")
+            problems.append(
+                f"tensor x pipeline x local data parallel size is {gpus_needed} GPUs; this host has {host.gpu_count}"
+            )
 
     problems += check_parsers(profile)
 

@@ -330,3 +330,21 @@ def test_the_rendered_gateway_config_loads_with_its_profiles(variant):
         assert model.entry.dns == expected.entry.dns
         assert model.profile is not None and expected.profile is not None
         assert model.profile.source == expected.profile.source
+
+
+def test_an_engine_over_several_nodes_is_refused_naming_the_helm_chart(tmp_path):
+    """Compose runs one host; a data-parallel engine over two nodes runs as a LeaderWorkerSet (Helm)."""
+    two_nodes = (
+        GPU_PROFILE.format(n=1, name="big", replicas=1, tp=1)
+        + "  data-parallel-size: 16\n  data-parallel-size-local: 8\n"
+    )
+    config = write_config(tmp_path, "  - profile: profiles/big.yaml\n", big=two_nodes)
+    with pytest.raises(compose.ComposeError, match="spans 2 nodes.*Helm chart"):
+        render(config, tmp_path / "docker/compose.yaml")
+
+
+def test_a_data_parallel_engine_is_pinned_every_gpu_of_its_node(tmp_path):
+    dp8 = GPU_PROFILE.format(n=1, name="dp", replicas=1, tp=1) + "  data-parallel-size: 8\n"
+    config = write_config(tmp_path, "  - profile: profiles/dp.yaml\n", dp=dp8)
+    (engine,) = plan_deployment(load_settings(config).models, config=config, placement="services").engines
+    assert engine.gpus == tuple(range(8))

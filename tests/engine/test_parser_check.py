@@ -3,6 +3,7 @@ refuses an unknown one before launch, with the valid names, without importing vL
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -27,6 +28,7 @@ EXPECTED_TOOL_PARSER = {
     "../../.cache/tiny-llama": "hermes",  # server/engine/tinymodel.py renders Hermes-style calls
     "meta-llama/Llama-3.1-8B-Instruct": "llama3_json",
     "Qwen/Qwen2.5-7B-Instruct": "hermes",
+    "deepseek-ai/DeepSeek-V3": "deepseek_v3",  # DeepSeek's own tool-call tokens
 }
 
 
@@ -55,8 +57,18 @@ def test_every_chat_profile_is_agent_ready(path):
 @pytest.mark.parametrize("path", chat_profiles(), ids=lambda p: p.stem)
 def test_profiles_still_pass_the_whole_host_check_on_their_device(path):
     profile = load_profile(path)
-    host = ONE_GPU if profile.device == "gpu" else AVX512 if profile.kv_cache_dtype.startswith("fp8") else AVX2
+    host = AVX512 if profile.kv_cache_dtype.startswith("fp8") else AVX2
+    if profile.device == "gpu":  # one node of the engine: as many GPUs as it holds there
+        host = dataclasses.replace(ONE_GPU, gpu_count=profile.gpus_per_node)
     assert check_profile(profile, host) == []
+
+
+def test_a_node_needs_a_gpu_per_tensor_pipeline_and_local_data_parallel_rank():
+    """DeepSeek-V3 at DP=8 holds 8 GPUs a node although each rank is TP=1."""
+    profile = load_profile(profiles_dir() / "deepseek-v3.yaml")
+    assert (profile.tensor_parallel_size, profile.data_parallel_size_local, profile.gpus_per_node) == (1, 8, 8)
+    seven = dataclasses.replace(ONE_GPU, gpu_count=7)
+    assert any("is 8 GPUs; this host has 7" in problem for problem in check_profile(profile, seven))
 
 
 def test_an_unknown_tool_parser_is_refused_with_the_valid_names(tmp_path):

@@ -51,7 +51,7 @@ def engine_args(
 
 
 def plan(profile: str, *, device_memory: str | None, as_json: bool) -> int:
-    from server.engine.planner import report
+    from server.engine.plan_report import report
 
     return report(profile, device_memory=device_memory, as_json=as_json)
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from server.engine.planner import PlanError, load_model_config, plan_profile, text_config
+from server.engine.kv import PlanError, text_config
+from server.engine.planner import load_model_config, plan_profile
 from server.engine.profiles import FP8_KV_CACHE_DTYPES, Profile, load_profile, resolve_profile_path
 
 

@@ -19,159 +19,33 @@ profile and the memory it gets.
 from __future__ import annotations
 
 import json
-import math
 import re
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from server.engine.parallel import Layout, kv_heads_per_rank, layout_problem, stage_layers
-from server.engine.profiles import FP8_KV_CACHE_DTYPES, Profile, load_profile, resolve_profile_path
+from server.engine.kv import (
+    DTYPE_BYTES,
+    KvLayout,
+    blocks_per_sequence,
+    kv_layout,
+    model_dtype,
+    rank_layout,
+    text_config,
+)
+from server.engine.kv import (
+    PlanError as PlanError,  # the planner's error (defined with the arithmetic that raises it)
+)
+from server.engine.parallel import Layout, layout_problem, stage_layers
+from server.engine.profiles import Profile
 from server.engine.quantization import QuantizationError, weight_format
 from server.engine.weights import WeightCounter, model_shape, stage_weight_bytes
 
 GiB = 2**30
-DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp16": 2, "bf16": 2}
 # What vLLM itself keeps out of the KV budget on a GPU besides weights (activations of the
 # profiling run, CUDA graphs, the non-torch allocator): an assumption, stated in the output.
 GPU_OVERHEAD_BYTES = int(1.5 * GiB)
-# vLLM's DeepSeek fp8 MLA cache: the 512 latent dims in fp8, the 64 rope dims in 16-bit, scales.
-FP8_DS_MLA_BYTES_PER_LAYER = 656
-# Every n-th layer global, the rest sliding, for configs that list no `layer_types` (their
-# Transformers config classes fill it in so): Gemma-2 alternates, Gemma-3 keeps one in six.
-DEFAULT_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
-
-
-class PlanError(ValueError):
-    """The plan cannot be made (no config.json, no memory figure, a layout vLLM refuses), with the reason."""
-
-
-@dataclass(frozen=True)
-class KvLayout:
-    """What one token costs in the KV cache: of the whole model, or of one rank (`rank_layout`)."""
-
-    attention: str  # "mha", "gqa", "mqa" or "mla"
-    layers: int
-    kv_heads: int  # 0 for MLA
-    head_dim: int  # per cached vector: head_dim, or kv_lora_rank + qk_rope_head_dim for MLA
-    dtype_bytes: int
-    bytes_per_token: int  # every layer counted as full attention
-    full_attention_layers: int
-    sliding_window_layers: int
-    sliding_window: int | None
-    textbook_bytes_per_token: int  # 2 x layers x num_attention_heads x head_dim x bytes
-    layer_bytes_per_token: int = 0  # one layer's bytes of one token
-    sliding: tuple[bool, ...] = ()  # per layer: does it slide
-
-
-def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The language model's part of a (possibly multimodal) config.json."""
-    inner = config.get("text_config")
-    return {**config, **inner} if isinstance(inner, dict) else config
-
-
-def model_dtype(config: dict[str, Any]) -> str:
-    """The dtype vLLM runs a checkpoint in with `dtype: auto`: its config's, but a float32
-    checkpoint (Gemma-2's) is run in bfloat16, as vLLM downcasts it."""
-    name = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
-    return "bfloat16" if name in ("float32", "float") else name
-
-
-def dtype_bytes(kv_cache_dtype: str, model_dtype_name: str) -> int:
-    if kv_cache_dtype in FP8_KV_CACHE_DTYPES:
-        return 1
-    name = model_dtype_name if kv_cache_dtype == "auto" else kv_cache_dtype
-    try:
-        return DTYPE_BYTES[name]
-    except KeyError:
-        raise PlanError(f"unknown dtype {name!r} for the KV cache") from None
-
-
-def kv_layout(config: dict[str, Any], kv_cache_dtype: str = "auto", dtype: str | None = None) -> KvLayout:
-    """The KV-cache cost per token of a whole model, from its config.json mapping."""
-    cfg = text_config(config)
-    try:
-        layers = int(cfg["num_hidden_layers"])
-        heads = int(cfg["num_attention_heads"])
-    except KeyError as exc:
-        raise PlanError(f"config.json has no {exc.args[0]!r}") from None
-    nbytes = dtype_bytes(kv_cache_dtype, dtype or model_dtype(cfg))
-    default_head_dim = int(cfg["hidden_size"]) // heads if "hidden_size" in cfg else 0
-    head_dim = int(cfg.get("head_dim") or default_head_dim)
-
-    if cfg.get("kv_lora_rank"):  # multi-head latent attention: one latent per token and layer
-        latent = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)
-        k_dim = int(cfg.get("qk_nope_head_dim") or 0) + int(cfg.get("qk_rope_head_dim") or 0)
-        v_dim = int(cfg.get("v_head_dim") or k_dim)
-        per_layer = FP8_DS_MLA_BYTES_PER_LAYER if kv_cache_dtype == "fp8_ds_mla" else latent * nbytes
-        return KvLayout(
-            attention="mla",
-            layers=layers,
-            kv_heads=0,
-            head_dim=latent,
-            dtype_bytes=nbytes,
-            bytes_per_token=layers * per_layer,
-            full_attention_layers=layers,
-            sliding_window_layers=0,
-            sliding_window=None,
-            textbook_bytes_per_token=layers * heads * (k_dim + v_dim) * nbytes,
-            layer_bytes_per_token=per_layer,
-            sliding=(False,) * layers,
-        )
-
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    attention = "mha" if kv_heads == heads else ("mqa" if kv_heads == 1 else "gqa")
-    window, flags = sliding_flags(cfg, layers)
-    sliding = sum(flags)
-    return KvLayout(
-        attention=attention,
-        layers=layers,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        dtype_bytes=nbytes,
-        bytes_per_token=2 * layers * kv_heads * head_dim * nbytes,
-        full_attention_layers=layers - sliding,
-        sliding_window_layers=sliding,
-        sliding_window=window,
-        textbook_bytes_per_token=2 * layers * heads * head_dim * nbytes,
-        layer_bytes_per_token=2 * kv_heads * head_dim * nbytes,
-        sliding=flags,
-    )
-
-
-def sliding_flags(cfg: dict[str, Any], layers: int) -> tuple[int | None, tuple[bool, ...]]:
-    """(window, per layer: does it slide). Newer configs list `layer_types`; Gemma-3 makes every
-    `sliding_window_pattern`-th layer global; Mistral-style configs slide on every layer;
-    Qwen2-style configs only when `use_sliding_window`."""
-    window = cfg.get("sliding_window")
-    none = (False,) * layers
-    if not window or cfg.get("use_sliding_window") is False:
-        return None, none
-    types = cfg.get("layer_types")
-    if isinstance(types, list) and types:
-        if len(types) != layers:
-            raise PlanError(f"config.json: layer_types lists {len(types)} layers, num_hidden_layers is {layers}")
-        flags = tuple("sliding" in str(kind) for kind in types)
-        return (int(window), flags) if any(flags) else (None, none)
-    pattern = cfg.get("sliding_window_pattern") or DEFAULT_SLIDING_PATTERN.get(str(cfg.get("model_type")))
-    if isinstance(pattern, int) and pattern > 1:
-        return int(window), tuple((i + 1) % pattern != 0 for i in range(layers))
-    return int(window), (True,) * layers
-
-
-def sliding_layers(cfg: dict[str, Any], layers: int) -> tuple[int | None, int]:
-    """(window, how many layers use it)."""
-    window, flags = sliding_flags(cfg, layers)
-    return window, sum(flags)
-
-
-def sequence_bytes(layout: KvLayout, tokens: int) -> int:
-    """KV bytes one sequence of `tokens` holds (sliding-window layers cap at the window)."""
-    per_layer = layout.bytes_per_token // layout.layers
-    windowed = min(tokens, layout.sliding_window or tokens)
-    return per_layer * (layout.full_attention_layers * tokens + layout.sliding_window_layers * windowed)
 
 
 def estimate_weight_bytes(config: dict[str, Any], dtype: str | None = None) -> int:
@@ -287,43 +161,6 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def blocks_per_sequence(layout: KvLayout, block_size: int, tokens: int) -> int:
-    """Paged blocks one sequence of `tokens` needs."""
-    return math.ceil(sequence_bytes(layout, tokens) / (layout.bytes_per_token * block_size))
-
-
-def capacity(layout: KvLayout, kv_memory: int, block_size: int, max_model_len: int) -> tuple[int, int, int]:
-    """(blocks, tokens, sequences at max_model_len) that `kv_memory` bytes hold."""
-    bytes_per_block = layout.bytes_per_token * block_size
-    blocks = kv_memory // bytes_per_block if kv_memory > 0 else 0
-    per_seq = blocks_per_sequence(layout, block_size, max_model_len)
-    return blocks, blocks * block_size, blocks // per_seq if per_seq else 0
-
-
-def rank_layout(layout: KvLayout, parallel: Layout, stage: int) -> KvLayout:
-    """The KV layout one GPU of pipeline stage `stage` holds: its layers, its KV heads."""
-    start, end = stage_layers(layout.layers, parallel.pp)[stage]
-    flags = layout.sliding[start:end] if layout.sliding else (False,) * (end - start)
-    heads = kv_heads_per_rank(layout.kv_heads, parallel.tp, mla=layout.attention == "mla")
-    mla = layout.attention == "mla"
-    per_layer = layout.layer_bytes_per_token if mla else 2 * heads * layout.head_dim * layout.dtype_bytes
-    sliding = sum(flags)
-    return KvLayout(
-        attention=layout.attention,
-        layers=end - start,
-        kv_heads=heads if layout.attention != "mla" else 0,
-        head_dim=layout.head_dim,
-        dtype_bytes=layout.dtype_bytes,
-        bytes_per_token=(end - start) * per_layer,
-        full_attention_layers=end - start - sliding,
-        sliding_window_layers=sliding,
-        sliding_window=layout.sliding_window if sliding else None,
-        textbook_bytes_per_token=layout.textbook_bytes_per_token,
-        layer_bytes_per_token=per_layer,
-        sliding=flags,
-    )
 
 
 def profile_layout(profile: Profile) -> Layout:
@@ -534,92 +371,3 @@ def smallest_fitting_layouts(fits: Callable[[Layout], bool], *, moe: bool) -> li
         if dp_ep:
             found.append(dp_ep)
     return found
-
-
-def format_plan(plan: Plan) -> str:
-    def size(n: int) -> str:
-        return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n:,} B"
-
-    heads = "latent" if plan.attention == "mla" else f"{plan.kv_heads} KV heads"
-    layout = Layout(
-        plan.tensor_parallel_size, plan.pipeline_parallel_size, plan.data_parallel_size, plan.expert_parallel
-    )
-    where = layout.describe() if plan.device == "gpu" else layout.describe().split(" (")[0] + " (CPU)"
-    lines = [
-        f"profile            {plan.profile} ({plan.model})",
-        f"layout             {where}",
-        f"attention          {plan.attention.upper()}: {plan.layers} layers x {heads} x {plan.head_dim} dims, "
-        f"kv-cache-dtype {plan.kv_cache_dtype}",
-        f"KV bytes per token {plan.kv_bytes_per_token:,} B for the whole model"
-        + (
-            f" (all-heads textbook formula: {plan.textbook_kv_bytes_per_token:,} B, "
-            f"{plan.textbook_kv_bytes_per_token / plan.kv_bytes_per_token:.0f}x more)"
-            if plan.textbook_kv_bytes_per_token != plan.kv_bytes_per_token
-            else ""
-        ),
-    ]
-    if plan.tensor_parallel_size * plan.pipeline_parallel_size > 1:
-        lines.append(
-            f"  on the GPUs      {plan.kv_bytes_per_token_all_ranks:,} B summed over the "
-            f"{plan.tensor_parallel_size * plan.pipeline_parallel_size} GPUs of one DP rank"
-            + (
-                f" ({plan.kv_bytes_per_token_all_ranks / plan.kv_bytes_per_token:.1f}x: heads replicated)"
-                if plan.kv_bytes_per_token_all_ranks > plan.kv_bytes_per_token
-                else ""
-            )
-        )
-    if plan.weights_bytes is not None:
-        loaded = plan.weight_format if plan.weight_format != "none" else "no quantization_config"
-        lines.append(f"weights (est.)     {size(plan.weights_bytes)} as loaded ({loaded})")
-    lines.append("per rank           stage  layers    KV heads  KV B/token  weights     KV memory   blocks")
-    for rank in plan.ranks:
-        weights = size(rank.weights_bytes) if rank.weights_bytes is not None else "-"
-        lines.append(
-            f"                   {rank.pipeline_rank:>5}  {rank.layers[0]:>3}-{rank.layers[1] - 1:<3}  "
-            f"{rank.kv_heads:>8}  {rank.kv_bytes_per_token:>10,}  {weights:>10}  {size(rank.kv_memory_bytes):>10}"
-            f"  {rank.num_blocks:>7,}"
-        )
-    lines += [
-        f"block              {plan.block_size} tokens = {size(plan.bytes_per_block)} (whole model)",
-        f"KV memory          {size(plan.kv_memory_bytes)}{' over all GPUs' if plan.device == 'gpu' else ''}"
-        f" ({plan.kv_memory_source})",
-        f"capacity           {plan.num_blocks:,} blocks = {plan.kv_cache_tokens_per_dp_rank:,} tokens"
-        + (
-            f" per DP rank, x {plan.data_parallel_size} = {plan.kv_cache_tokens:,} tokens"
-            if plan.data_parallel_size > 1
-            else ""
-        ),
-        f"per sequence       {plan.max_model_len:,} tokens (max-model-len) = {plan.blocks_per_sequence:,} blocks",
-        f"concurrent seqs    {plan.max_concurrent_sequences:,} at full max-model-len"
-        + (f" ({plan.max_concurrent_sequences_per_dp_rank:,} per DP rank)" if plan.data_parallel_size > 1 else ""),
-    ]
-    if plan.sliding_window:
-        lines.append(
-            f"sliding window     {plan.sliding_window_layers} layers hold at most {plan.sliding_window:,} tokens"
-        )
-    if plan.max_concurrent_sequences < 1:
-        lines.append(
-            f"does not fit       not one sequence of {plan.max_model_len:,} tokens: "
-            + (
-                f"needs tensor-parallel-size >= {plan.min_tensor_parallel_size}"
-                if plan.min_tensor_parallel_size
-                else f"more GPUs than {MAX_GPUS}, or a lower max-model-len"
-            )
-        )
-        for found in plan.fitting_layouts:
-            flags = " ".join(f"--{k}" if v is True else f"--{k} {v}" for k, v in found["flags"].items())
-            lines.append(f"  would fit       {found['layout']}: {flags}")
-    return "\n".join(lines)
-
-
-def report(profile_name: str, *, device_memory: str | None = None, as_json: bool = False) -> int:
-    """`python -m server plan`: print a profile's KV-cache plan (exit 2 when it cannot be made)."""
-    profile = load_profile(resolve_profile_path(profile_name))
-    try:
-        memory = parse_size(device_memory) if device_memory else None
-        plan = plan_profile(profile, memory)
-    except PlanError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(plan.to_dict(), indent=2) if as_json else format_plan(plan))
-    return 0

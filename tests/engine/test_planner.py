@@ -5,15 +5,8 @@ import json
 import pytest
 
 from server.cli import main as cli_main
-from server.engine.planner import (
-    PlanError,
-    capacity,
-    estimate_weight_bytes,
-    kv_layout,
-    parse_size,
-    plan_profile,
-    sequence_bytes,
-)
+from server.engine.kv import capacity, kv_layout, sequence_bytes
+from server.engine.planner import PlanError, estimate_weight_bytes, parse_size, plan_profile
 from server.engine.profiles import load_profile, profiles_dir
 from server.engine.weights import model_shape, parameter_count
 

@@ -8,16 +8,9 @@ import math
 import pytest
 
 from server.cli import main as cli_main
+from server.engine.kv import kv_layout, rank_layout
 from server.engine.parallel import Layout, kv_heads_per_rank, padded_vocab_rows, stage_layers
-from server.engine.planner import (
-    GPU_OVERHEAD_BYTES,
-    PlanError,
-    kv_layout,
-    parse_size,
-    plan_profile,
-    rank_layout,
-    rank_weight_bytes,
-)
+from server.engine.planner import GPU_OVERHEAD_BYTES, PlanError, parse_size, plan_profile, rank_weight_bytes
 from server.engine.profiles import ProfileError, load_profile, profiles_dir
 from server.engine.quantization import QuantizationError, weight_format
 

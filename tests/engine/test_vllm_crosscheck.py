@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
+from server.engine.kv import kv_layout, rank_layout
 from server.engine.parallel import Layout
-from server.engine.planner import kv_layout, rank_layout
 from server.engine.quantization import QuantizationError, weight_format
 from server.engine.weights import model_shape, parameter_count
 

@@ -9,8 +9,8 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
+from server.config import TrimmingConfig
 from server.deploy.plan import plan_deployment
-from server.engine.profiles import TrimmingConfig
 from server.gateway.app import create_app
 from server.gateway.trimming.history import responses_history
 from standin.responses import ResponsesStandin
@@ -158,7 +158,7 @@ def test_twenty_thousand_new_messages_cost_a_bounded_number_of_tokenize_calls(en
     settings = fast_settings({"standin": [engine.url]})
     settings.models[0].trimming = TrimmingConfig(mode="auto", default_max_tokens=16)
     gw = gateway(settings)
-    (step,) = gw.app.steps
+    (step,) = gw.app.proxied.steps
     earlier = long_chat(10)
     first = httpx.post(f"{gw.url}/v1/chat/completions", timeout=30, json={"model": "standin", "messages": earlier})
     assert first.status_code == 200, first.text

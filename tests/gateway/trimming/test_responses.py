@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from server.engine.profiles import TrimmingConfig
+from server.config import TrimmingConfig
 from server.gateway.trimming.counter import TokenCounter
 from server.gateway.trimming.history import responses_history
 from server.gateway.trimming.step import HistoryTrimming

@@ -26,6 +26,7 @@ from pathlib import Path
 from server.config import SettingsError, parse_upstreams
 from server.deploy.plan import DeploymentPlan, plan_deployment
 from server.engine.supervisor import EngineStartError, EngineSupervisor, prepare
+from server.gateway.app.auth import load_admin_keys, load_api_keys, load_tenants
 from server.gateway.app.hooks import load_hook
 from server.gateway.serving import configure_logging, run
 from server.gateway.serving import serve as serve_gateway
@@ -101,6 +102,10 @@ def _load(
     settings.app_hooks = [*settings.app_hooks, *app_hooks]
     for spec in settings.app_hooks:
         load_hook(spec)  # a hook that cannot be imported is refused before anything starts
+    # Keys and tenants are read here too, so that a key source that is not there is refused once,
+    # before anything starts (each worker reads them again in create_app).
+    load_tenants(settings, admin_keys=load_admin_keys(settings.auth))
+    load_api_keys(settings.auth, base=settings.source.parent if settings.source else None)
     workers = workers or os.environ.get(WORKERS_ENV) or None
     if workers is not None:
         settings.workers = worker_count(workers)  # SettingsError for a bad value

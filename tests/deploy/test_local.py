@@ -64,6 +64,19 @@ def test_serve_refuses_a_config_whose_profile_is_missing(tmp_path):
     assert done.returncode == 2 and "nowhere.yaml: no such profile file" in done.stderr
 
 
+def test_serve_refuses_a_tenant_key_source_that_is_not_there_before_any_worker_starts(tmp_path):
+    """Refused once, with the file and the key: not N workers failing their start-up in a restart loop."""
+    config = tmp_path / "gateway.yaml"
+    config.write_text(
+        "models:\n  - name: m\n    urls: [http://127.0.0.1:9]\n"
+        "tenants:\n  - name: planner\n    api_keys_env: NO_SUCH_TENANT_KEYS_VARIABLE\n"
+    )
+    done = run_cli("serve", "--config", str(config), "--workers", "2")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert str(config) in done.stderr and "NO_SUCH_TENANT_KEYS_VARIABLE" in done.stderr
+    assert "restart" not in done.stdout + done.stderr
+
+
 def test_up_refuses_a_profile_this_host_cannot_run(tmp_path):
     config = tmp_path / "gateway.yaml"
     profile = ROOT / "configs/profiles/chat-fp8.yaml"  # cannot run here (GPU, fp8 KV cache)

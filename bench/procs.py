@@ -159,7 +159,11 @@ def gateway_code(workdir: Path, source: str) -> Path:
         return ROOT
     target = workdir / f"code-{source}"
     target.mkdir()
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", source, "server"], check=True, capture_output=True)
+    # The gateway's packages at that commit: `server`, and `http1` once it exists (else the copy would
+    # import the working tree's http1 through the editable install).
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", source], check=True, capture_output=True)
+    packages = [name for name in ("server", "http1") if name in listed.stdout.decode().split()]
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", source, *packages], check=True, capture_output=True)
     subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
     return target
 

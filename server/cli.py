@@ -112,6 +112,19 @@ def helm_values(config: Path, *, output: Path | None, check: bool) -> int:
     )
 
 
+def add_gateway_options(p: argparse.ArgumentParser) -> None:
+    """The options of every command that serves the gateway (`up`, `serve`)."""
+    p.add_argument("--workers", default=None, metavar="N", help=WORKERS_HELP)
+    p.add_argument(
+        "--app-hook",
+        action="append",
+        default=[],
+        metavar="MODULE:FUNCTION",
+        help="call FUNCTION(app) on the gateway's FastAPI app: your own routes, dependencies and middleware "
+        "(repeatable; added to the config's app_hooks)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m server",
@@ -194,15 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="configs/gateway.yaml")
     p.add_argument("--host", default=None, help="override the config's host")
     p.add_argument("--port", type=int, default=None, help="override the config's port (8000)")
-    p.add_argument("--workers", default=None, metavar="N", help=WORKERS_HELP)
-    p.add_argument(
-        "--app-hook",
-        action="append",
-        default=[],
-        metavar="MODULE:FUNCTION",
-        help="call FUNCTION(app) on the gateway's FastAPI app: your own routes, dependencies and middleware "
-        "(repeatable; added to the config's app_hooks)",
-    )
+    add_gateway_options(p)
 
     p = command(
         "serve",
@@ -226,15 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
-    p.add_argument("--workers", default=None, metavar="N", help=WORKERS_HELP)
-    p.add_argument(
-        "--app-hook",
-        action="append",
-        default=[],
-        metavar="MODULE:FUNCTION",
-        help="call FUNCTION(app) on the gateway's FastAPI app: your own routes, dependencies and middleware "
-        "(repeatable; added to the config's app_hooks)",
-    )
+    add_gateway_options(p)
 
     p = command(
         "compose",

@@ -81,10 +81,13 @@ async def test_overload_warning_fires_when_the_generator_is_saturated(standin):
 
 
 async def test_open_loop_shortfall_warning(standin):
-    # 200 sessions/s targeted, but each finished request blocks the loop 20 ms: at most 50/s
-    result = await run_blocked(standin, LoadShape(rate=200, arrival="constant"), StopRule(num_requests=30), 0.02)
+    # 50 sessions/s targeted, but each finished request blocks the loop 50 ms: at most 20/s once
+    # answers come back. A 1.2 s schedule (60 sessions) outlasts the first answers even when they
+    # are slow on a busy machine (the stand-in runs in this process; with 30 sessions at 200/s, a
+    # 0.15 s schedule, runs whose first answers came late kept 190/s: nothing had blocked the loop yet).
+    result = await run_blocked(standin, LoadShape(rate=50, arrival="constant"), StopRule(num_requests=60), 0.05)
     outcome = RunOutcome.of(result, standin, {})
-    assert outcome.summary["achieved_rate"] < 190
+    assert outcome.summary["achieved_rate"] < 47.5  # 0.95 of the target, as the old bound was
     assert any("behind its schedule" in w for w in outcome.summary["generator_warnings"])
 
 

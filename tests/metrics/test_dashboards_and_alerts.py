@@ -64,6 +64,7 @@ def exported_names() -> set[str]:
     engine.record_scrape(parse_engine_metrics(VLLM_TEXT), at=1.0)
     metrics.registry.register(EngineCollector([engine]))
     metrics.routing_decision("tiny", "prefix")
+    metrics.tenant_usage("planner", "tiny", 200, prompt=10, cached=4, completion=5)
     index = PreciseIndex()
     index.set_live(engine.id, True)
     index.purge(engine.id, "gap")
@@ -155,3 +156,23 @@ def test_alert_rules_fire_when_they_should_promtool_unit_tests():
     assert result.returncode == 0, result.stdout + result.stderr
     tested = set(re.findall(r"alertname: (\w+)", ALERT_TESTS.read_text()))
     assert tested == {name for name, _ in alert_exprs()}
+
+
+def test_the_tenants_row_shows_each_usage_counter_per_tenant():
+    """Issue 31's usage on the main dashboard: requests by status, 429s, prompt, cached prompt and
+    completion tokens, each per tenant and filtered by the `tenant` variable (whose values come
+    from the counters' own label, i.e. the configured tenants)."""
+    dashboard = json.loads((ROOT / "docker/grafana/dashboards/gateway.json").read_text())
+    rows = [p for p in dashboard["panels"] if p["type"] == "row"]
+    assert "Tenants" in [r["title"] for r in rows]
+    start = next(r["gridPos"]["y"] for r in rows if r["title"] == "Tenants")
+    end = min([r["gridPos"]["y"] for r in rows if r["gridPos"]["y"] > start], default=10**6)
+    row = [p for p in panels(dashboard) if start < p["gridPos"]["y"] < end]
+    exprs = [t["expr"] for p in row for t in p["targets"]]
+    for family in ("requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens"):
+        assert any(f"gateway_tenant_{family}_total{{" in e for e in exprs), family
+    assert any('code="429"' in e for e in exprs)
+    for expr in exprs:
+        assert 'tenant=~"$tenant"' in expr and "sum by (tenant" in expr, expr
+    (variable,) = [v for v in dashboard["templating"]["list"] if v["name"] == "tenant"]
+    assert variable["definition"] == "label_values(gateway_tenant_requests_total, tenant)"

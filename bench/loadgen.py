@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import resource
 import statistics
 import sys
@@ -120,6 +121,8 @@ def build_request(host: str, port: int, path: str, body: dict) -> bytes:
     data = json.dumps(body).encode()
     _, start = http1.request_start(f"http://{host}:{port}{path}")
     headers = [("content-type", "application/json"), ("accept", "text/event-stream")]
+    if key := os.environ.get("LOADGEN_API_KEY"):  # a gateway with keys (tenants): sent as a bearer token
+        headers.append(("authorization", f"Bearer {key}"))
     return http1.request_head(start, headers, len(data)) + data
 
 

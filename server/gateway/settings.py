@@ -118,6 +118,17 @@ class TenantLimits(_Strict):
     window_seconds: float = Field(default=60.0, gt=0)
 
 
+class QuotaStore(_Strict):
+    """Where tenants' quota counters live (server.gateway.tenants.counters, docs/operate/quotas.md).
+
+    local: one set per host, shared by the `--workers` of one gateway (a file the supervisor
+    creates); redis: one set for every gateway replica using the same server, its URL read from
+    the variable `redis_url_env` (never from this file: it may hold a password)."""
+
+    backend: Literal["local", "redis"] = "local"
+    redis_url_env: str = "GATEWAY_REDIS_URL"
+
+
 class Tenant(_Strict):
     """One caller of the gateway, known by its API keys alone (docs/configure/tenants.md)."""
 
@@ -205,6 +216,7 @@ class GatewaySettings(_Strict):
     limits: Limits = Field(default_factory=Limits)
     # Who may call, known by API key (server.gateway.tenants). None: today's single anonymous caller.
     tenants: list[Tenant] | None = Field(default=None, min_length=1)
+    quota_store: QuotaStore = Field(default_factory=QuotaStore)  # where the tenants' quotas are counted
     metrics_scrape_interval: float = Field(default=5.0, gt=0)
     log_format: Literal["json", "text"] = "json"
     # One JSON line per request on `gateway.access` (observability.logs). False: none; the request

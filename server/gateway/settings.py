@@ -139,7 +139,9 @@ class Tenant(_Strict):
     priority: Literal["interactive", "standard", "batch"] = "standard"  # stored; scheduling comes later
     models: list[str] | None = None  # served model or adapter names it may use; None: all
     limits: TenantLimits = Field(default_factory=TenantLimits)
-    cache_isolation: Literal["shared", "tenant"] = "shared"  # stored; cache_salt is not set yet
+    # tenant: the gateway sets vLLM's cache_salt for it (derived from $tenant_salt_secret_env and
+    # the name), so no other tenant shares its prefix-cache blocks (server.gateway.tenants.isolation).
+    cache_isolation: Literal["shared", "tenant"] = "shared"
 
     @model_validator(mode="after")
     def _has_a_key_source(self) -> Tenant:
@@ -216,6 +218,9 @@ class GatewaySettings(_Strict):
     limits: Limits = Field(default_factory=Limits)
     # Who may call, known by API key (server.gateway.tenants). None: today's single anonymous caller.
     tenants: list[Tenant] | None = Field(default=None, min_length=1)
+    # The variable holding the secret the `cache_isolation: tenant` salts are derived from (HMAC-SHA256
+    # of the tenant's name): the same in every worker and gateway replica; unset: refused at start.
+    tenant_salt_secret_env: str = "GATEWAY_SALT_SECRET"
     quota_store: QuotaStore = Field(default_factory=QuotaStore)  # where the tenants' quotas are counted
     metrics_scrape_interval: float = Field(default=5.0, gt=0)
     log_format: Literal["json", "text"] = "json"

@@ -27,7 +27,8 @@ from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
 
 from server.engine.profiles import Profile, load_profile
-from tests.engine_process import SharedEngine, running_engine
+from server.engine.supervisor import prepare
+from tests.engine_process import EngineProcess, SharedEngine, running_engine
 from tests.support import free_port
 
 # Property tests have no per-example time limit: a busy machine makes an example slow, not wrong.
@@ -59,8 +60,14 @@ class RealEngine(SharedEngine):
 SHARED_ENGINES: dict[str, SharedEngine] = {}
 
 
+# Groups of shared engines, by fixture name (real_replicas: a list of two).
+SHARED_ENGINE_GROUPS: dict[str, list[SharedEngine]] = {}
+
+
 def _shared_engines(item: pytest.Item) -> list[SharedEngine]:
-    return [SHARED_ENGINES[name] for name in getattr(item, "fixturenames", ()) if name in SHARED_ENGINES]
+    names = getattr(item, "fixturenames", ())
+    singles = [SHARED_ENGINES[name] for name in names if name in SHARED_ENGINES]
+    return singles + [engine for name in names for engine in SHARED_ENGINE_GROUPS.get(name, [])]
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -165,6 +172,53 @@ def real_embed_engine(tmp_path_factory):
             yield engine
         finally:
             SHARED_ENGINES.pop("real_embed_engine", None)
+
+
+ROUTING_PROFILE = ROOT / "configs" / "profiles" / "tiny-cpu-routing.yaml"
+
+
+@pytest.fixture(scope="session")
+def real_replicas(tmp_path_factory) -> list[EngineProcess]:
+    """Two real tiny engines of tiny-cpu-routing.yaml (small KV caches, KV events), started in
+    parallel, once per session, each under its own supervisor (`python -m server engine`), so a
+    test that kills an engine (`engine.engine_pid()`) sees it restarted. Set TEST_REPLICA_URLS
+    (two URLs, comma-separated) to reuse engines that already run."""
+    profile = load_profile(ROUTING_PROFILE)
+    reuse = os.environ.get("TEST_REPLICA_URLS")
+    if reuse:
+        urls = [url.strip().rstrip("/").removesuffix("/v1") for url in reuse.split(",") if url.strip()]
+        replicas = [EngineProcess(url, profile.served_model_name, profile, None, None) for url in urls]
+    else:
+        prepare(profile)  # the tiny model, built once here: two supervisors building it at once collide
+        log_dir = tmp_path_factory.mktemp("replicas")
+        replicas = []
+        for index in range(2):
+            port = free_port()
+            log_path = log_dir / f"replica-{index}.log"
+            with log_path.open("w") as log_file:
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "server", "engine", str(ROUTING_PROFILE), "--port", str(port)],
+                    cwd=ROOT,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            replicas.append(
+                EngineProcess(f"http://127.0.0.1:{port}", profile.served_model_name, profile, process, log_path)
+            )
+    try:
+        started = time.monotonic()
+        for replica in replicas:
+            replica.wait_until_serving(ENGINE_START_TIMEOUT - (time.monotonic() - started))
+            replica.started_in_s = time.monotonic() - started
+        sys.stderr.write(f"\n[tests] two tiny-cpu-routing replicas ready in {time.monotonic() - started:.1f} s\n")
+        SHARED_ENGINE_GROUPS["real_replicas"] = list(replicas)
+        yield replicas
+    finally:
+        SHARED_ENGINE_GROUPS.pop("real_replicas", None)
+        for replica in replicas:
+            if replica.process is not None:
+                _stop(replica.process)
 
 
 def _stop(process: subprocess.Popen) -> None:

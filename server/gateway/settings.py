@@ -129,6 +129,21 @@ class QuotaStore(_Strict):
     redis_url_env: str = "GATEWAY_REDIS_URL"
 
 
+class ResponsesStore(_Strict):
+    """Where the gateway keeps stored Responses (server.gateway.conversations, docs/operate/conversations.md).
+
+    sqlite: one file (`path`, relative to the config file's folder), for one host and its `--workers`;
+    postgres: one database for every gateway replica, its URL read from the variable `url_env`
+    (never from this file: it may hold a password); off: `store: true` and `previous_response_id` refused."""
+
+    backend: Literal["sqlite", "postgres", "off"] = "sqlite"
+    path: Path = Path("data/responses.sqlite3")
+    url_env: str = "GATEWAY_DATABASE_URL"
+    retention_days: float = Field(default=30.0, gt=0)  # OpenAI's default
+    tenant_retention_days: dict[str, float] = Field(default_factory=dict)  # per tenant name
+    purge_interval: float = Field(default=600.0, gt=0)  # seconds between two purges of expired responses
+
+
 class Tenant(_Strict):
     """One caller of the gateway, known by its API keys alone (docs/configure/tenants.md)."""
 
@@ -222,6 +237,7 @@ class GatewaySettings(_Strict):
     # of the tenant's name): the same in every worker and gateway replica; unset: refused at start.
     tenant_salt_secret_env: str = "GATEWAY_SALT_SECRET"
     quota_store: QuotaStore = Field(default_factory=QuotaStore)  # where the tenants' quotas are counted
+    responses_store: ResponsesStore = Field(default_factory=ResponsesStore)  # stored Responses (conversations)
     metrics_scrape_interval: float = Field(default=5.0, gt=0)
     log_format: Literal["json", "text"] = "json"
     # One JSON line per request on `gateway.access` (observability.logs). False: none; the request

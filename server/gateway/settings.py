@@ -151,7 +151,7 @@ class Tenant(_Strict):
     api_keys: list[str] = Field(default_factory=list)
     api_keys_env: str | None = None  # comma-separated keys in this variable
     api_keys_file: str | None = None  # one key a line, `#` comments
-    priority: Literal["interactive", "standard", "batch"] = "standard"  # stored; scheduling comes later
+    priority: Literal["interactive", "standard", "batch"] = "standard"  # its class at the gate (settings Flow)
     models: list[str] | None = None  # served model or adapter names it may use; None: all
     limits: TenantLimits = Field(default_factory=TenantLimits)
     # tenant: the gateway sets vLLM's cache_salt for it (derived from $tenant_salt_secret_env and
@@ -163,6 +163,26 @@ class Tenant(_Strict):
         if not (self.api_keys or self.api_keys_env or self.api_keys_file):
             raise ValueError("a tenant needs api_keys, api_keys_env or api_keys_file")
         return self
+
+
+class Flow(_Strict):
+    """Priority classes and fair queueing when the engines are full (server.gateway.flow,
+    docs/operate/flow-control.md); it gates tenants' requests only."""
+
+    enabled: bool = True
+    max_num_seqs: int | None = Field(default=None, ge=1)  # per engine; None: the profile's, else 256
+    kv_usage_limit: float = Field(default=0.98, gt=0, le=1)  # an engine at this scraped KV usage counts as full
+    max_wait: dict[Literal["interactive", "standard", "batch"], float] = Field(
+        default_factory=lambda: {"interactive": 10.0, "standard": 60.0, "batch": 110.0}
+    )  # seconds at the gate, then 429 (capped below timeouts.first_byte, which the wait counts toward)
+    max_queued: dict[Literal["interactive", "standard", "batch"], int] = Field(
+        default_factory=lambda: {"interactive": 1024, "standard": 1024, "batch": 1024}
+    )
+    max_queued_total: int = Field(default=2048, ge=1)  # beyond it a higher class displaces the lowest
+    # vLLM's `priority` field from the class: None: when the profile sets scheduling-policy: priority.
+    set_priority: bool | None = None
+    expected_output_tokens: int = Field(default=256, ge=0)  # reserved when a request names no max_tokens
+    tick_s: float = Field(default=0.25, gt=0)  # how often a non-empty queue looks for room besides departures
 
 
 class Limits(_Strict):
@@ -233,6 +253,7 @@ class GatewaySettings(_Strict):
     limits: Limits = Field(default_factory=Limits)
     # Who may call, known by API key (server.gateway.tenants). None: today's single anonymous caller.
     tenants: list[Tenant] | None = Field(default=None, min_length=1)
+    flow: Flow = Field(default_factory=Flow)  # the gate in front of full engines (server.gateway.flow)
     # The variable holding the secret the `cache_isolation: tenant` salts are derived from (HMAC-SHA256
     # of the tenant's name): the same in every worker and gateway replica; unset: refused at start.
     tenant_salt_secret_env: str = "GATEWAY_SALT_SECRET"

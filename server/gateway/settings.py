@@ -30,9 +30,11 @@ class Weights(BaseModel):
 
     prefix: float = Field(default=1.0, ge=0)
     balance: float = Field(default=2.0, ge=0)
+    fit: float = Field(default=1.0, ge=0)  # a full, evicting cache pays for the blocks it would add
     kv_usage: float = Field(default=1.0, ge=0)
     queue: float = Field(default=1.0, ge=0)
     outstanding: float = Field(default=1.0, ge=0)
+    spread: float = Field(default=1.0, ge=0)  # a replica above an even share of the recent requests
     session: float = Field(default=1.0, ge=0)
 
 
@@ -93,6 +95,10 @@ class Routing(_Strict):
     # ...unless it already has this many more outstanding requests than the least loaded one
     # (cache_aware: never a candidate then; also the load scorers' scale).
     max_imbalance: int = Field(default=8, ge=1)
+    # cache_aware's split guard, at any concurrency: over the last `share_window` requests a model's
+    # replicas were sent, none may take more than `max_split` times another's share (scoring.py).
+    share_window: int = Field(default=48, ge=0)  # 0: no guard, no `spread` scorer
+    max_split: float = Field(default=1.4, ge=1.0)
 
     def weights_for(self, model: str) -> Weights:
         return self.model_weights.get(model, self.weights)

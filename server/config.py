@@ -134,6 +134,8 @@ class ServedModel:
     planned_kv_tokens: int | None = None  # KV-cache tokens per engine: the config's, else the planner's
     max_model_len: int | None = None  # the profile's, until an engine reports its own
     block_size: int | None = None  # the profile's KV-cache block size, until the engines report theirs
+    max_num_seqs: int | None = None  # the profile's vLLM max-num-seqs: the batch the flow gate fills (issue 32)
+    priority_scheduling: bool = False  # the profile sets scheduling-policy: priority (requests get `priority`)
 
 
 def profile_path(entry: ModelEngines, config: Path | None) -> Path | None:

@@ -160,6 +160,8 @@ def served_model(
         planned_kv_tokens=planned_kv_tokens,
         max_model_len=profile.max_model_len if profile else None,
         block_size=profile.block_size if profile else None,
+        max_num_seqs=seqs if profile and isinstance(seqs := profile.vllm.get("max-num-seqs"), int) else None,
+        priority_scheduling=bool(profile and profile.vllm.get("scheduling-policy") == "priority"),
     )
     if trimming is not None:
         served.trimming = trimming

@@ -31,6 +31,7 @@ from server.gateway.app.hooks import load_hook
 from server.gateway.serving import configure_logging, run
 from server.gateway.serving import serve as serve_gateway
 from server.gateway.settings import GatewaySettings, load_settings, worker_count
+from server.gateway.tenants.isolation import load_cache_salts
 
 WORKERS_ENV = "GATEWAY_WORKERS"
 
@@ -105,6 +106,7 @@ def _load(
     # Keys and tenants are read here too, so that a key source that is not there is refused once,
     # before anything starts (each worker reads them again in create_app).
     load_tenants(settings, admin_keys=load_admin_keys(settings.auth))
+    load_cache_salts(settings)  # an isolated tenant's salt secret
     load_api_keys(settings.auth, base=settings.source.parent if settings.source else None)
     workers = workers or os.environ.get(WORKERS_ENV) or None
     if workers is not None:

@@ -45,6 +45,7 @@ from server.gateway.replicas.precise import PreciseIndex
 from server.gateway.replicas.scraper import EngineMetricsScraper
 from server.gateway.settings import GatewaySettings
 from server.gateway.tenants.directory import TenantDirectory
+from server.gateway.tenants.isolation import load_cache_salts
 from server.gateway.tenants.usage import UsageLedger
 from server.gateway.trimming.step import HistoryTrimming
 from server.gateway.trimming.target import make_lookup
@@ -205,6 +206,7 @@ def create_app(
         admin_keys=admin_keys,
         max_upload_bytes=settings.limits.max_upload_bytes,
         tenants=tenants,
+        cache_salts=load_cache_salts(settings, environ),
     )
     app = GatewayApp(state=state, proxied=proxied, lifespan=lifespan)
     if ledger is not None:

@@ -44,6 +44,7 @@ from server.gateway.request.request import GatewayRequest, parse_request
 from server.gateway.request.targets import resolve, served
 from server.gateway.tenants.directory import TenantDirectory, TenantRuntime, without_claims
 from server.gateway.tenants.errors import ModelNotAllowed
+from server.gateway.tenants.isolation import CacheSalts
 from server.gateway.tenants.quota import Ticket
 
 log = logging.getLogger("gateway")
@@ -66,6 +67,7 @@ class ProxiedEndpoints:
         admin_keys: list[bytes] | None = None,
         max_upload_bytes: int = 25 * 2**20,
         tenants: TenantDirectory | None = None,
+        cache_salts: CacheSalts | None = None,
     ) -> None:
         self.state = state
         self.proxy = proxy
@@ -76,6 +78,7 @@ class ProxiedEndpoints:
         self.max_upload_bytes = max_upload_bytes  # multipart uploads (audio)
         self.admin_keys = admin_keys or []  # runtime LoRA load/unload; with none, those are refused
         self.tenants = tenants  # None: no tenants, `keys` (if any) are one anonymous caller's
+        self.cache_salts = cache_salts  # tenants with cache_isolation: tenant (tenants.isolation)
 
     async def handle(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send, param: str = "") -> None:
         """Answer one request for `endpoint` (`param`: the value of its path parameter, if it has one)."""
@@ -155,16 +158,20 @@ class ProxiedEndpoints:
                 ticket.settle(_tokens_used(record))
             self.reporter.finish(record)
 
-    @staticmethod
-    def _admit(tenant: TenantRuntime, request: GatewayRequest) -> Ticket | None:
+    def _admit(self, tenant: TenantRuntime, request: GatewayRequest) -> Ticket | None:
         """The tenant's model allow-list and quota (raises ModelNotAllowed, QuotaExceeded); the
-        answer gets its rate-limit headers, and the engine a body without the client's claims."""
+        answer gets its rate-limit headers, and the engine a body without the client's claims
+        (and with the tenant's cache_salt, for an isolated tenant)."""
         json = request.endpoint.model_from == "json"  # an upload's bytes (audio) are no prompt estimate
         ticket, headers = tenant.admit(request.model, request.body, len(request.raw) if json else 0)
         if headers:
             request.response_headers.extend(headers)
-        if json and (body := without_claims(request.body)) is not None:
-            request.replace_body(body)
+        if json:
+            body = without_claims(request.body)
+            if self.cache_salts is not None:
+                body = self.cache_salts.body_for(tenant.name, request.endpoint.name, body or request.body) or body
+            if body is not None:
+                request.replace_body(body)
         return ticket
 
     def _label(self, record: RequestRecord, named: str | None) -> None:

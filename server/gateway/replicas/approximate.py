@@ -3,7 +3,9 @@
 It guesses what an engine's prefix cache holds from routing history alone, as llm-d's
 `prefix-cache-scorer` and SGLang's `cache_aware` do: every request routed to a replica records
 its prompt's blocks there (server.gateway.replicas.blocks: text blocks, no tokenizer), so it works
-in front of any engine, by URL too. Recording at routing time is also what keeps a burst of
+in front of any engine, by URL too. A prompt the gateway salts (vLLM's `cache_salt`, a tenant's
+`cache_isolation: tenant`) has its blocks chained from the salt (blocks.namespace), so the record
+never counts one tenant's blocks for another's equal prompt. Recording at routing time is also what keeps a burst of
 identical prompts together: the second one already sees the first one's blocks.
 
 Per replica, an LRU record with bounded memory: at most `capacity` blocks (the oldest go first,

@@ -17,6 +17,12 @@ separators (not the rendered chat template, which only the engine knows), or the
 prompt. The blocks do not line up with the engine's token blocks; they need not: the approximate
 index only compares prompts with prompts the gateway itself sent.
 
+What the engine caches apart although the tokens are equal is kept apart by the chain's root
+(`root(namespace)`): the LoRA adapter a prompt runs with, and vLLM's `cache_salt`, which the
+engine mixes into a prompt's first block only, as the root here (`namespace(adapter, salt)`). So
+two tenants whose prompts the gateway salts apart (server.gateway.tenants.isolation) never share
+a key, in either index, and each tenant's repeats still meet their own blocks.
+
 Pure functions; blake2b with an 8-byte digest (collisions are harmless here: at worst one
 routing decision is based on a block that is not there).
 """
@@ -37,9 +43,25 @@ def _chain(parent: bytes, content: bytes) -> bytes:
 
 
 def root(namespace: str = "") -> bytes:
-    """The parent of a prompt's first block. A namespace (a LoRA adapter's name) keeps apart
-    blocks of equal tokens that the engine caches apart."""
+    """The parent of a prompt's first block. A namespace (`namespace()`: a LoRA adapter's name,
+    a cache salt) keeps apart blocks of equal tokens that the engine caches apart."""
     return _ROOT if not namespace else hashlib.blake2b(namespace.encode(), digest_size=8).digest()
+
+
+def namespace(adapter: str = "", salt: str = "") -> str:
+    """The namespace of a prompt run with LoRA `adapter` ("" for the base model) and vLLM's
+    `cache_salt` `salt` ("" for none). Without a salt it is the adapter's name alone, as before
+    salts. The salt enters as a digest, never as itself: a namespace may be shown (a repr in a
+    debugger or a log line), a tenant's salt must not be."""
+    if not salt:
+        return adapter
+    return f"{adapter}\x00salt\x00{hashlib.blake2b(salt.encode(), digest_size=16).hexdigest()}"
+
+
+def request_namespace(adapter: str, body: Mapping[str, object]) -> str:
+    """The namespace of `body` as the engine is sent it: its adapter and its `cache_salt`."""
+    salt = body.get("cache_salt")
+    return namespace(adapter, salt if isinstance(salt, str) else "")
 
 
 def token_blocks(

@@ -6,6 +6,8 @@ socket and sends every batch of KV-cache events as a multipart message `[topic, 
 `[ts, [event, ...], data_parallel_rank]`, each event a map tagged by `type` (`BlockStored`,
 `BlockRemoved`, `AllBlocksCleared`; vllm/distributed/kv_events.py), or, from an older vLLM, an
 array `[type, field, ...]`. `decode` reads one message; `apply` writes its events to the index.
+A chain's first block keeps its LoRA name and its `cache_salt` (from the event's `extra_keys`):
+the index roots the chain in both (blocks.namespace), as the prompt's /tokenize blocks are.
 
 The subscriber connects (vLLM binds), and ZMQ reconnects by itself. What it cannot see it purges:
 - connected or reconnected: the engine may hold blocks sent before anyone listened, or be a new
@@ -33,12 +35,22 @@ import zmq.asyncio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from zmq.utils.monitor import parse_monitor_message
 
+from server.gateway.replicas.blocks import namespace
 from server.gateway.replicas.precise import PreciseIndex
 
 log = logging.getLogger("gateway.kv_events")
 
 # Field order of the array form (vLLM's msgspec structs, declaration order after the tag).
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name")
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+)
 _REMOVED_FIELDS = ("block_hashes", "medium")
 
 
@@ -53,6 +65,7 @@ class Stored:
     token_ids: list[int]
     block_size: int
     lora_name: str | None = None
+    cache_salt: str | None = None  # of the first block, when the chain starts here (parent None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +85,21 @@ def _hashable(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
+def first_block_salt(extra_keys: Any, lora_name: str | None) -> str | None:
+    """The `cache_salt` a chain's first block was hashed with, from a `BlockStored`'s `extra_keys`.
+
+    vLLM 0.32 publishes them untagged, one entry per block (vllm/v1/core/kv_cache_utils.py
+    `to_event_extra_keys`): the LoRA name (when `lora_name` is set), `(mm_identifier, offset)`
+    pairs, the salt (the first block only) and prompt-embeds digests (bytes), in that order. So
+    the salt is the first string after the LoRA name."""
+    if not isinstance(extra_keys, list) or not extra_keys or not isinstance(extra_keys[0], list | tuple):
+        return None
+    strings = [key for key in extra_keys[0] if isinstance(key, str)]
+    if lora_name and strings and strings[0] == lora_name:
+        strings = strings[1:]
+    return strings[0] if strings else None
+
+
 def _event(raw: Any) -> Event | None:
     if isinstance(raw, list) and raw and isinstance(raw[0], str):  # array form: [type, fields...]
         tag = raw[0]
@@ -84,14 +112,10 @@ def _event(raw: Any) -> Event | None:
         hashes, tokens, size = raw.get("block_hashes"), raw.get("token_ids"), raw.get("block_size")
         if not isinstance(hashes, list) or not isinstance(tokens, list) or not isinstance(size, int):
             return None
-        lora = raw.get("lora_name")
-        return Stored(
-            [_hashable(h) for h in hashes],
-            _hashable(raw.get("parent_block_hash")),
-            tokens,
-            size,
-            lora if isinstance(lora, str) else None,
-        )
+        lora = raw.get("lora_name") if isinstance(raw.get("lora_name"), str) else None
+        parent = _hashable(raw.get("parent_block_hash"))
+        salt = first_block_salt(raw.get("extra_keys"), lora) if parent is None else None
+        return Stored([_hashable(h) for h in hashes], parent, tokens, size, lora, salt)
     if kind == "BlockRemoved":
         hashes = raw.get("block_hashes")
         return Removed([_hashable(h) for h in hashes]) if isinstance(hashes, list) else None
@@ -124,7 +148,7 @@ def apply(index: PreciseIndex, engine: str, events: Sequence[Event]) -> None:
                 parent=event.parent,
                 token_ids=event.token_ids,
                 block_size=event.block_size,
-                namespace=event.lora_name or "",
+                namespace=namespace(event.lora_name or "", event.cache_salt or ""),
             )
         elif isinstance(event, Removed):
             index.removed(engine, event.block_hashes)

@@ -6,7 +6,11 @@ each stored block by its token ids, chained from its parent's key (server.gatewa
 and keeps the engine's hash -> our key map so a removal can find it: vLLM's own hash is never
 reproduced (its default algorithm pickles Python objects). A prompt tokenized by the engine's
 /tokenize is keyed the same way, so a lookup is exact, block for block, in the engine's block size
-(learned from the events, which carry it).
+(learned from the events, which carry it). A chain that starts at a stored block without a
+parent is rooted in its namespace: the LoRA adapter and the `cache_salt` vLLM hashed its first
+block with (kv_events.py reads them from the event's `lora_name` and `extra_keys`), as a salted
+prompt's /tokenize blocks are (cache.py, blocks.request_namespace): two tenants' equal prompts
+are two chains here as they are two in the engine.
 
 A stored block whose parent the index does not know (stored before the gateway was listening) is
 skipped: it cannot be keyed. A `BlockRemoved` for an unknown hash is ignored.
@@ -90,7 +94,8 @@ class PreciseIndex:
         block_size: int,
         namespace: str = "",
     ) -> int:
-        """A `BlockStored` event; returns how many blocks were keyed."""
+        """A `BlockStored` event; returns how many blocks were keyed. `namespace` (blocks.namespace:
+        the adapter and the salt) roots a chain without a parent."""
         state = self.state(engine)
         count = len(block_hashes)
         if count == 0 or block_size <= 0 or len(token_ids) != count * block_size:

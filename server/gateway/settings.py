@@ -8,7 +8,7 @@ nothing here knows which port an engine listens on.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -171,6 +171,14 @@ class Tenant(_Strict):
         return self
 
 
+PriorityClass = Literal["interactive", "standard", "batch"]  # first served first (server.gateway.flow)
+_V = TypeVar("_V")
+
+
+def _per_class(interactive: _V, standard: _V, batch: _V) -> dict[PriorityClass, _V]:
+    return {"interactive": interactive, "standard": standard, "batch": batch}
+
+
 class Flow(_Strict):
     """Priority classes and fair queueing when the engines are full (server.gateway.flow,
     docs/operate/flow-control.md); it gates tenants' requests only."""
@@ -178,12 +186,10 @@ class Flow(_Strict):
     enabled: bool = True
     max_num_seqs: int | None = Field(default=None, ge=1)  # per engine; None: the profile's, else 256
     kv_usage_limit: float = Field(default=0.98, gt=0, le=1)  # an engine at this scraped KV usage counts as full
-    max_wait: dict[Literal["interactive", "standard", "batch"], float] = Field(
-        default_factory=lambda: {"interactive": 10.0, "standard": 60.0, "batch": 110.0}
+    max_wait: dict[PriorityClass, float] = Field(
+        default_factory=lambda: _per_class(10.0, 60.0, 110.0)
     )  # seconds at the gate, then 429 (capped below timeouts.first_byte, which the wait counts toward)
-    max_queued: dict[Literal["interactive", "standard", "batch"], int] = Field(
-        default_factory=lambda: {"interactive": 1024, "standard": 1024, "batch": 1024}
-    )
+    max_queued: dict[PriorityClass, int] = Field(default_factory=lambda: _per_class(1024, 1024, 1024))
     max_queued_total: int = Field(default=2048, ge=1)  # beyond it a higher class displaces the lowest
     # vLLM's `priority` field from the class: None: when the profile sets scheduling-policy: priority.
     set_priority: bool | None = None

@@ -27,6 +27,7 @@ from server.gateway.app.auth import load_admin_keys, load_api_keys, load_tenants
 from server.gateway.app.hooks import apply_hooks
 from server.gateway.app.proxied import ProxiedEndpoints
 from server.gateway.app.state import GatewayState
+from server.gateway.flow.gate import build_gate
 from server.gateway.observability.logs import log_request as default_log_request
 from server.gateway.observability.metrics import GatewayMetrics
 from server.gateway.observability.record import RequestReporter, TenantUsage
@@ -185,7 +186,8 @@ def create_app(
         finally:
             await shutdown()
 
-    proxy = Proxy(settings=settings, upstream=upstream, metrics=metrics, forward_auth=not keys)
+    flow = build_gate(settings, models, metrics.registry)  # tenants' requests wait there when engines are full
+    proxy = Proxy(settings=settings, upstream=upstream, metrics=metrics, forward_auth=not keys, flow=flow)
     state = GatewayState(
         upstreams=upstreams,
         registry=metrics.registry,

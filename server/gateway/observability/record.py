@@ -63,6 +63,8 @@ class RequestRecord:
     trimmed_tokens: int | None = None
     routing: Decision | None = None  # why `engine` was chosen (explained only when the log line is written)
     tenant: str | None = None  # the caller's tenant (server.gateway.tenants), when the gateway has tenants
+    priority: str | None = None  # its class at the flow gate (server.gateway.flow), when it passed one
+    queued_s: float | None = None  # seconds it waited there
 
 
 def _token_count(value: object) -> int | None:
@@ -154,4 +156,5 @@ class RequestReporter:
                 error=record.error,
                 routing=record.routing.explain() if record.routing is not None else None,
                 **({"tenant": record.tenant} if record.tenant is not None else _NO_FIELDS),
+                **({"priority": record.priority, "queued_s": record.queued_s} if record.priority else _NO_FIELDS),
             )

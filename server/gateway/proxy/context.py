@@ -17,10 +17,25 @@ from server.gateway.settings import GatewaySettings
 class ProxyContext:
     """The state the proxied requests of one app share."""
 
-    __slots__ = ("_targets", "connect_timeout", "fingerprints", "forward_auth", "metrics", "settings", "upstream")
+    __slots__ = (
+        "_targets",
+        "connect_timeout",
+        "fingerprints",
+        "flow",
+        "forward_auth",
+        "metrics",
+        "settings",
+        "upstream",
+    )
 
     def __init__(
-        self, *, settings: GatewaySettings, upstream: Upstream, metrics: RequestMetrics, forward_auth: bool = False
+        self,
+        *,
+        settings: GatewaySettings,
+        upstream: Upstream,
+        metrics: RequestMetrics,
+        forward_auth: bool = False,
+        flow: Any = None,
     ) -> None:
         self.settings = settings
         # `post()` of UpstreamTransport (or of any httpx client through ClientUpstream): no
@@ -31,6 +46,7 @@ class ProxyContext:
         # so socket reads carry no timer of their own.
         self.connect_timeout = settings.timeouts.connect
         self.forward_auth = forward_auth  # without keys of its own, the gateway passes the client's on
+        self.flow = flow  # the gate in front of full engines (server.gateway.flow.gate.FlowGate), or None
         self._targets: dict[tuple[str, str], Any] = {}
         # Engine id -> the `system_fingerprint` it last sent (JSON), for streams whose usage is hidden.
         self.fingerprints: dict[str, bytes] = {}

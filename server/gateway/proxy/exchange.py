@@ -8,6 +8,11 @@ task step per chunk: `_relay_stream`); per chunk the only extra work is two `byt
 `include_usage` anyway and its usage chunk is taken out of the client's stream (hidden_usage:
 one more `find` per chunk), so that every stream's tokens are counted.
 
+A tenant's request passes the flow gate first (server.gateway.flow, `context.flow`): at once
+while the model's engines have room, else it waits there, ordered by class and fair share, until
+room appears (429 past its class's wait or queue bounds); the client leaving meanwhile cancels it
+like any other wait (deadlines), and nothing reaches an engine.
+
 Failure handling, in the order a request meets it (`failures` has the table):
 - connection refused/reset, or a 503, before any byte reached the client: another replica,
   up to `retries.max_attempts`, with doubling backoff (a refusing engine is also marked down);
@@ -55,6 +60,7 @@ from server.gateway.proxy.failures import Failure, Stage, upstream_failure
 from server.gateway.proxy.headers import upstream_headers
 from server.gateway.proxy.hidden_usage import HiddenUsage, hide_usage_from_client
 from server.gateway.proxy.upstream import UpstreamResponse
+from server.gateway.replicas.cache import PromptView
 from server.gateway.replicas.engine import Engine
 from server.gateway.replicas.pool import ModelPool
 from server.gateway.replicas.routing import affinity_key
@@ -102,10 +108,10 @@ class Exchange(ClientAnswer):
             deadlines.close()
 
     async def _forward(self, pool: ModelPool) -> None:
-        """Try replicas until one answers; failures before the first byte move to the next one."""
-        settings = self.context.settings
-        routing = settings.routing
-        key = prompt = None
+        """The request's routing key and prompt, the flow gate (a tenant's request), then a replica."""
+        routing = self.context.settings.routing
+        key: bytes | None = None
+        prompt: PromptView | None = None
         if pool.has_choice:
             key = affinity_key(
                 self.request.body,
@@ -115,6 +121,21 @@ class Exchange(ClientAnswer):
                 prefix_min_chars=routing.prefix_min_chars,
             )
             prompt = await pool.prompt(routing, self.request.body, adapter=self.request.adapter)  # cache_aware only
+        flow = self.context.flow
+        if flow is not None and flow.applies(self.request, self.record):
+            # The gate (server.gateway.flow): straight on while the engines have room, else queued.
+            held, prompt = await flow.enter(pool, self.request, self.record, prompt)
+            try:
+                await self._route(pool, key, prompt)
+            finally:
+                flow.leave(held, self.record)
+            return
+        await self._route(pool, key, prompt)
+
+    async def _route(self, pool: ModelPool, key: bytes | None, prompt: PromptView | None) -> None:
+        """Try replicas until one answers; failures before the first byte move to the next one."""
+        settings = self.context.settings
+        routing = settings.routing
         attempts = settings.retries.max_attempts
         barred = excluded(self.request, pool)
         tried: list[Engine] = []

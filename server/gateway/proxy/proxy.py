@@ -5,6 +5,8 @@ Both work on the `ProxyContext` the proxy owns (proxy.context), never on the pro
 
 from __future__ import annotations
 
+from typing import Any
+
 from server.gateway.http.asgi import Receive, Send
 from server.gateway.observability.record import RequestMetrics, RequestRecord
 from server.gateway.proxy.context import ProxyContext
@@ -21,9 +23,17 @@ class Proxy:
     """Forwards requests to engines; one instance per app."""
 
     def __init__(
-        self, *, settings: GatewaySettings, upstream: Upstream, metrics: RequestMetrics, forward_auth: bool = False
+        self,
+        *,
+        settings: GatewaySettings,
+        upstream: Upstream,
+        metrics: RequestMetrics,
+        forward_auth: bool = False,
+        flow: Any = None,
     ) -> None:
-        self.context = ProxyContext(settings=settings, upstream=upstream, metrics=metrics, forward_auth=forward_auth)
+        self.context = ProxyContext(
+            settings=settings, upstream=upstream, metrics=metrics, forward_auth=forward_auth, flow=flow
+        )
 
     async def forward(
         self, request: GatewayRequest, pool: ModelPool, record: RequestRecord, receive: Receive, send: Send

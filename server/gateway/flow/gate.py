@@ -1,0 +1,120 @@
+"""The flow gate as the proxy meets it: one call before routing (`FlowGate.enter`), one after the
+answer (`FlowGate.leave`). It works out what the request is to the gate: its class (the tenant's,
+or lower: flow.classes), its cost (the uncached part of its prompt by the prefix index, plus the
+output it may write), vLLM's `priority` field when the model's engines schedule by priority; and
+it writes the class and the wait into the request's record (the access log line).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from time import monotonic, perf_counter
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from server.config import ServedModel
+from server.gateway.flow.classes import PRIORITY_HEADER, VLLM_PRIORITY, Class, request_class
+from server.gateway.flow.control import FlowControl, Pass
+from server.gateway.flow.metrics import FlowCollector
+from server.gateway.observability.record import RequestRecord, token_counts
+from server.gateway.replicas.cache import CHARS_PER_TOKEN, PromptView
+from server.gateway.replicas.pool import ModelPool
+from server.gateway.request.request import GatewayRequest
+from server.gateway.settings import GatewaySettings, worker_count
+
+# Endpoints whose vLLM request takes a `priority` field.
+PRIORITY_ENDPOINTS = frozenset({"chat", "completions"})
+OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+
+
+class FlowGate:
+    """The gate for one app: the tenants' classes, the control, the models that take `priority`."""
+
+    def __init__(
+        self, control: FlowControl, classes: Mapping[str, Class], priority_models: frozenset[str] = frozenset()
+    ) -> None:
+        self.control = control
+        self.classes = dict(classes)  # tenant -> its class
+        self.priority_models = priority_models
+        self.chars_per_token: dict[str, float] = {}  # model -> learned from the answers' usage
+
+    def applies(self, request: GatewayRequest, record: RequestRecord) -> bool:
+        """Tenants' requests that make an engine work (not GETs of a stored response)."""
+        return record.tenant is not None and request.endpoint.method == "POST" and not request.endpoint.fan_out
+
+    async def enter(
+        self, pool: ModelPool, request: GatewayRequest, record: RequestRecord, prompt: PromptView | None
+    ) -> tuple[Pass, PromptView | None]:
+        """Wait for room (flow.control); the prompt view routing is to record (one replica too,
+        so the prefix index knows what the engine holds)."""
+        tenant = record.tenant
+        assert tenant is not None
+        klass = request_class(self.classes.get(tenant, "standard"), request.header(PRIORITY_HEADER))
+        record.priority = klass
+        if prompt is None and request.endpoint.model_from == "json":
+            prompt = await pool.cache.read(
+                pool.name, request.body, pool.engines, precise=False, adapter=request.adapter
+            )
+        cost = self._uncached_tokens(pool, prompt) + _output_tokens(request.body, self.control)
+        if self.control.settings.set_priority is not False and (
+            self.control.settings.set_priority or pool.name in self.priority_models
+        ):
+            if request.endpoint.name in PRIORITY_ENDPOINTS:
+                request.replace_body({**request.body, "priority": VLLM_PRIORITY[klass]})
+        started = perf_counter()
+        try:
+            held = await self.control.enter(pool, tenant, klass, cost)
+        finally:
+            record.queued_s = perf_counter() - started
+        held.chars = prompt.chars if prompt is not None else 0
+        return held, prompt
+
+    def leave(self, held: Pass, record: RequestRecord) -> None:
+        usage = record.usage if isinstance(record.usage, dict) else None
+        if usage is not None and held.chars:
+            prompt, _ = token_counts(usage)
+            if prompt:
+                learned = self.chars_per_token.get(held.model, held.chars / prompt)
+                self.chars_per_token[held.model] = learned + 0.2 * (held.chars / prompt - learned)
+        self.control.leave(held, usage)
+
+    def _uncached_tokens(self, pool: ModelPool, prompt: PromptView | None) -> float:
+        """The prompt's tokens no healthy replica holds, by the approximate prefix index."""
+        if prompt is None:
+            return 0.0
+        index = pool.cache.approximate
+        keys = prompt.text_keys
+        matched = max((index.matched(e.id, keys, monotonic()) for e in pool.engines if e.healthy), default=0)
+        uncached_chars = max(0, prompt.chars - matched * pool.cache.block_chars)
+        return uncached_chars / self.chars_per_token.get(pool.name, CHARS_PER_TOKEN)
+
+
+def _output_tokens(body: Mapping[str, Any], control: FlowControl) -> int:
+    """The output a request may write, reserved until its usage says: its limit, else a default."""
+    for name in OUTPUT_FIELDS:
+        value = body.get(name)
+        if type(value) is int and value >= 0:
+            return value
+    return control.settings.expected_output_tokens
+
+
+def build_gate(
+    settings: GatewaySettings, models: Sequence[ServedModel], registry: CollectorRegistry
+) -> FlowGate | None:
+    """The app's gate (None without tenants, or with `flow.enabled` off), its metrics on `registry`."""
+    if not settings.tenants or not settings.flow.enabled:
+        return None
+    try:
+        workers = worker_count(settings.workers)
+    except ValueError:
+        workers = 1
+    control = FlowControl(
+        settings.flow,
+        max_num_seqs={m.name: m.max_num_seqs for m in models},
+        workers=workers,
+        wait_cap=settings.timeouts.first_byte,
+    )
+    registry.register(FlowCollector(control, [t.name for t in settings.tenants]))
+    classes: dict[str, Class] = {t.name: t.priority for t in settings.tenants}
+    return FlowGate(control, classes, frozenset(m.name for m in models if m.priority_scheduling))

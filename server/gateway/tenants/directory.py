@@ -13,13 +13,19 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Iterable, Sequence
+import os
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from server.gateway.settings import Tenant
+from server.gateway.settings import QuotaStore, Tenant
+from server.gateway.tenants.counters import CounterStore, open_store
 from server.gateway.tenants.errors import ModelNotAllowed
 from server.gateway.tenants.quota import Clock, Headers, Quota, Ticket, reservation
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 # Body fields a client could use to claim more than its tenant gives it: taken out of the body
 # the engine gets (the priority of issue 32 comes from the tenant, never from the client).
@@ -55,6 +61,14 @@ class TenantRuntime:
             return None, []
         return self.quota.admit(reservation(body, raw_length))
 
+    async def enter(self, model: str, body: dict[str, Any], raw_length: int) -> tuple[Ticket | None, Headers]:
+        """`admit` over any counter store (Redis included): the way in of the request path."""
+        if not self.may_use(model):
+            raise ModelNotAllowed(self.name, model)
+        if self.quota is None:
+            return None, []
+        return await self.quota.enter(reservation(body, raw_length))
+
 
 def without_claims(body: dict[str, Any]) -> dict[str, Any] | None:
     """`body` without the fields a client may not set under a tenant, or None when it has none."""
@@ -70,10 +84,11 @@ class TenantDirectory:
         self.tenants: dict[str, TenantRuntime] = {}
         self.keys: list[bytes] = []
         self._by_digest: dict[bytes, tuple[bytes, TenantRuntime]] = {}
+        self.store: CounterStore | None = None  # after `start`; until then each quota counts in memory
         for config, keys in tenants:
             limits = config.limits
             limited = limits.requests_per_minute or limits.tokens_per_minute or limits.max_concurrent
-            quota = (Quota(limits) if clock is None else Quota(limits, clock)) if limited else None
+            quota = Quota(limits, clock or time.monotonic, key=config.name) if limited else None
             allowed = frozenset(config.models) if config.models is not None else None
             runtime = TenantRuntime(config, quota, allowed)
             self.tenants[config.name] = runtime
@@ -90,3 +105,20 @@ class TenantDirectory:
 
     def names(self) -> list[str]:
         return list(self.tenants)
+
+    async def start(
+        self, config: QuotaStore, environ: Mapping[str, str] | None = None, registry: CollectorRegistry | None = None
+    ) -> None:
+        """Move the quotas onto the store `config` names (tenants.counters.open_store), before
+        the first request; `registry` gets `gateway_quota_unchecked_total` (Redis only)."""
+        quotas = [runtime.quota for runtime in self.tenants.values() if runtime.quota is not None]
+        if not quotas:
+            return  # nobody has limits: nothing to count, nothing to connect to
+        self.store = await open_store(config, self.names(), os.environ if environ is None else environ, registry)
+        for quota in quotas:
+            quota.store = self.store
+
+    async def aclose(self) -> None:
+        if self.store is not None:
+            await self.store.aclose()
+            self.store = None

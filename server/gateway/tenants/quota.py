@@ -9,8 +9,9 @@ reserved for it). When it ends, `Ticket.settle` charges what the engine's `usage
 the bucket may go below zero (a long answer's debt), which later requests wait out. No I/O, and
 the clock is injected (`time.monotonic` by default): tests drive it by hand.
 
-The counters are this process's: with `--workers N` or several gateway replicas each has its own
-(shared counters, Redis, are a later step: docs/configure/tenants.md).
+The levels and the requests in flight live in a counter store (tenants.counters): this
+process's memory, a file shared by the `--workers` of one host, or Redis shared by replicas;
+this module is the fixed side (limits, headers, the refusals' words).
 """
 
 from __future__ import annotations
@@ -19,12 +20,34 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from server.gateway.settings import TenantLimits
+from server.gateway.tenants.counters import (
+    CONCURRENT,
+    OK,
+    REQUESTS,
+    TOO_LARGE,
+    UNCHECKED,
+    CounterStore,
+    Limits,
+    MemoryCounters,
+    Outcome,
+)
 from server.gateway.tenants.errors import QuotaExceeded
 
 Clock = Callable[[], float]
+
+
+@runtime_checkable
+class HostLike(Protocol):
+    """A local store: answers at once, without an event loop."""
+
+    def take_now(self, key: str, limits: Limits, reserve: int) -> Outcome: ...
+
+    def peek(self, key: str, limits: Limits) -> tuple[float, float]: ...
+
+
 Headers = list[tuple[bytes, bytes]]
 CHARS_PER_TOKEN = 4  # a prompt's estimate before the engine counts it: bytes of the body over this
 _COMPLETION_CAPS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
@@ -52,36 +75,26 @@ def format_reset(seconds: float) -> str:
     return f"{int(minutes)}m{text}" if minutes else text
 
 
-class Bucket:
-    """`limit` units refilling at `limit / window` per second; `level` may go negative (debt)."""
+class Budget:
+    """One bucket's fixed side: `limit` units refilling at `limit / window` per second; its level
+    lives in the counter store (tenants.counters) and may go negative (debt)."""
 
-    __slots__ = ("at", "level", "limit", "limit_text", "rate")
+    __slots__ = ("limit", "limit_text", "rate")
 
-    def __init__(self, limit: int, window: float, now: float) -> None:
+    def __init__(self, limit: int, window: float) -> None:
         self.limit = limit
         self.limit_text = str(limit).encode()
         self.rate = limit / window
-        self.level = float(limit)
-        self.at = now
 
-    def refill(self, now: float) -> None:
-        if now > self.at:
-            self.level = min(float(self.limit), self.level + (now - self.at) * self.rate)
-            self.at = now
-
-    def wait(self, amount: float) -> float:
-        """Seconds until `amount` is there (0: now)."""
-        return max(0.0, (amount - self.level) / self.rate)
-
-    def reset(self) -> float:
+    def reset(self, level: float) -> float:
         """Seconds until the bucket is full again (OpenAI's `reset`)."""
-        return max(0.0, (self.limit - self.level) / self.rate)
+        return max(0.0, (self.limit - level) / self.rate)
 
-    def headers(self, kind: bytes) -> Headers:
+    def headers(self, kind: bytes, level: float) -> Headers:
         return [
             (b"x-ratelimit-limit-" + kind, self.limit_text),
-            (b"x-ratelimit-remaining-" + kind, str(max(0, math.floor(self.level))).encode()),
-            (b"x-ratelimit-reset-" + kind, format_reset(self.reset()).encode()),
+            (b"x-ratelimit-remaining-" + kind, str(max(0, math.floor(level))).encode()),
+            (b"x-ratelimit-reset-" + kind, format_reset(self.reset(level)).encode()),
         ]
 
 
@@ -91,6 +104,8 @@ class Ticket:
 
     quota: Quota
     reserved: int
+    slot: object = None  # the store's handle on its concurrency slot
+    checked: bool = True  # False: let in unchecked (the store was unreachable): nothing to settle
     settled: bool = field(default=False)
 
     def settle(self, used: int | None) -> None:
@@ -99,74 +114,86 @@ class Ticket:
         if self.settled:
             return
         self.settled = True
-        quota = self.quota
-        quota.in_flight -= 1
-        tokens = quota.tokens
-        if tokens is not None and used is not None:
-            tokens.level = min(float(tokens.limit), tokens.level - (used - self.reserved))
+        if self.checked:
+            quota = self.quota
+            quota.store.release(quota.key, quota.limits, self.slot, None if used is None else used - self.reserved)
 
 
 class Quota:
-    """One tenant's quotas (see the module doc); `admit` is the only way in."""
+    """One tenant's quotas (see the module doc) over a counter store; `enter` (or, with a local
+    store, `admit`) is the only way in."""
 
-    def __init__(self, limits: TenantLimits, clock: Clock = time.monotonic) -> None:
-        self.clock = clock
-        now = clock()
+    def __init__(
+        self, limits: TenantLimits, clock: Clock = time.monotonic, *, store: CounterStore | None = None, key: str = ""
+    ) -> None:
+        self.limits = Limits.of(limits)
         window = limits.window_seconds
-        self.requests = Bucket(limits.requests_per_minute, window, now) if limits.requests_per_minute else None
-        self.tokens = Bucket(limits.tokens_per_minute, window, now) if limits.tokens_per_minute else None
+        self.requests = Budget(limits.requests_per_minute, window) if limits.requests_per_minute else None
+        self.tokens = Budget(limits.tokens_per_minute, window) if limits.tokens_per_minute else None
         self.max_concurrent = limits.max_concurrent
-        self.in_flight = 0
+        self.store: CounterStore = store if store is not None else MemoryCounters(clock)
+        self.key = key  # the tenant's name: its counters in the store
 
     @property
     def limited(self) -> bool:
         """Whether any limit applies (a tenant without limits needs no quota at all)."""
         return self.requests is not None or self.tokens is not None or self.max_concurrent is not None
 
-    def headers(self) -> Headers:
-        """OpenAI's `x-ratelimit-*` headers for the buckets there are, as of now."""
+    def headers(self, requests: float | None = None, tokens: float | None = None) -> Headers:
+        """OpenAI's `x-ratelimit-*` headers for the buckets there are, at these levels (None: as of
+        now, from a local store)."""
+        if requests is None or tokens is None:
+            requests, tokens = self._local().peek(self.key, self.limits)
         out: Headers = []
         if self.requests is not None:
-            out += self.requests.headers(b"requests")
+            out += self.requests.headers(b"requests", requests)
         if self.tokens is not None:
-            out += self.tokens.headers(b"tokens")
+            out += self.tokens.headers(b"tokens", tokens)
         return out
 
     def admit(self, reserve: int) -> tuple[Ticket, Headers]:
-        """Take one request and `reserve` tokens, or raise QuotaExceeded (with Retry-After when
-        waiting helps); also the rate-limit headers of the answer, after this request."""
-        now = self.clock()
-        requests, tokens = self.requests, self.tokens
-        if requests is not None:
-            requests.refill(now)
-        if tokens is not None:
-            tokens.refill(now)
-        if self.max_concurrent is not None and self.in_flight >= self.max_concurrent:
-            raise self._refused(f"Too many concurrent requests: the limit is {self.max_concurrent}.", 1.0)
-        if tokens is not None and reserve > tokens.limit:
-            raise QuotaExceeded(
-                f"Request too large for the tokens per minute limit: limit {tokens.limit}, requested "
-                f"about {reserve} (prompt estimate and completion cap); send fewer or lower max_tokens.",
-                headers=self.headers(),
-            )
-        wait = 0.0
-        what = ""
-        if requests is not None and (w := requests.wait(1)) > 0:
-            wait, what = w, f"requests per minute: limit {requests.limit}"
-        if tokens is not None and (w := tokens.wait(reserve)) > wait:
-            wait, what = w, f"tokens per minute: limit {tokens.limit}, requested about {reserve}"
-        if wait > 0:
-            raise self._refused(f"Rate limit reached for {what}. Try again in {format_reset(wait)}.", wait)
-        if requests is not None:
-            requests.level -= 1
-        if tokens is not None:
-            tokens.level -= reserve
-        self.in_flight += 1
-        return Ticket(self, reserve), self.headers()
+        """`enter` without an event loop, for a local store (tenants.counters)."""
+        return self._answer(self._local().take_now(self.key, self.limits, reserve), reserve)
 
-    def _refused(self, message: str, wait: float) -> QuotaExceeded:
+    async def enter(self, reserve: int) -> tuple[Ticket, Headers]:
+        """Take one request and `reserve` tokens, or raise QuotaExceeded (with Retry-After when
+        waiting helps); also the rate-limit headers of the answer, after this request (none when
+        the store could not be asked: the request goes in unchecked)."""
+        return self._answer(await self.store.take(self.key, self.limits, reserve), reserve)
+
+    def _answer(self, outcome: Outcome, reserve: int) -> tuple[Ticket, Headers]:
+        verdict = outcome.verdict
+        if verdict == OK:
+            return Ticket(self, reserve, outcome.slot), self.headers(outcome.requests, outcome.tokens)
+        if verdict == UNCHECKED:
+            return Ticket(self, reserve, checked=False), []
+        headers = self.headers(outcome.requests, outcome.tokens)
+        if verdict == CONCURRENT:
+            message = f"Too many concurrent requests: the limit is {self.max_concurrent}."
+        elif verdict == TOO_LARGE:
+            assert self.tokens is not None
+            raise QuotaExceeded(
+                f"Request too large for the tokens per minute limit: limit {self.tokens.limit}, requested "
+                f"about {reserve} (prompt estimate and completion cap); send fewer or lower max_tokens.",
+                headers=headers,
+            )
+        elif verdict == REQUESTS:
+            assert self.requests is not None
+            what = f"requests per minute: limit {self.requests.limit}"
+            message = f"Rate limit reached for {what}. Try again in {format_reset(outcome.wait)}."
+        else:
+            assert self.tokens is not None
+            what = f"tokens per minute: limit {self.tokens.limit}, requested about {reserve}"
+            message = f"Rate limit reached for {what}. Try again in {format_reset(outcome.wait)}."
+        wait = outcome.wait
         retry = [
             (b"retry-after", str(max(1, math.ceil(wait))).encode()),
             (b"retry-after-ms", str(max(1, math.ceil(wait * 1000))).encode()),
         ]
-        return QuotaExceeded(message, headers=[*retry, *self.headers()])
+        raise QuotaExceeded(message, headers=[*retry, *headers])
+
+    def _local(self) -> HostLike:
+        store = self.store
+        if not isinstance(store, HostLike):
+            raise RuntimeError("this quota's counters are remote: use `await quota.enter(...)`")
+        return store

@@ -158,6 +158,8 @@ def create_app(
     trimming = HistoryTrimming(lookup=make_lookup(upstreams, client, timeout), metrics=metrics)
 
     async def startup() -> None:
+        if tenants is not None:
+            await tenants.start(settings.quota_store, environ, metrics.registry)  # quota_store: redis, host file
         await discovery.start()  # engines found by DNS join after their first health check
         await health.start()
         await scraper.start()
@@ -170,6 +172,8 @@ def create_app(
             await scraper.aclose()
             await health.aclose()
         finally:
+            if tenants is not None:
+                await tenants.aclose()
             await ops_client.aclose()
             if owns_client:
                 await client.aclose()

@@ -122,7 +122,7 @@ class ProxiedEndpoints:
             self.reporter.open(record, request.model)
             record.stream = request.stream
             if tenant is not None:
-                ticket = self._admit(tenant, request)
+                ticket = await self._admit(tenant, request)
             for step in self.steps:
                 await step(request)
             if endpoint.fan_out:
@@ -158,12 +158,12 @@ class ProxiedEndpoints:
                 ticket.settle(_tokens_used(record))
             self.reporter.finish(record)
 
-    def _admit(self, tenant: TenantRuntime, request: GatewayRequest) -> Ticket | None:
+    async def _admit(self, tenant: TenantRuntime, request: GatewayRequest) -> Ticket | None:
         """The tenant's model allow-list and quota (raises ModelNotAllowed, QuotaExceeded); the
         answer gets its rate-limit headers, and the engine a body without the client's claims
         (and with the tenant's cache_salt, for an isolated tenant)."""
         json = request.endpoint.model_from == "json"  # an upload's bytes (audio) are no prompt estimate
-        ticket, headers = tenant.admit(request.model, request.body, len(request.raw) if json else 0)
+        ticket, headers = await tenant.enter(request.model, request.body, len(request.raw) if json else 0)
         if headers:
             request.response_headers.extend(headers)
         if json:

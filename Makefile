@@ -12,7 +12,7 @@ CONFIG ?= configs/gateway.yaml
 PROFILE ?= configs/profiles/tiny-cpu.yaml
 PYTEST_ARGS ?=
 
-.PHONY: help install run engine tiny-model lint format docs test test-fast test-busy bench loadtest routing-experiment up down up-cpu down-cpu compose compose-cpu compose-dns dclint helm-values prometheus clean
+.PHONY: help install run engine tiny-model lint format docs test test-fast test-busy bench loadtest routing-experiment up down up-cpu down-cpu compose compose-cpu compose-dns dclint helm-values prometheus redis clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -58,6 +58,11 @@ prometheus: ## Install the Prometheus server and promtool (Debian package) if mi
 	  echo "==> installing Debian package prometheus"; \
 	  apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
 
+redis: ## Install redis-server (Debian package) if missing: the tests of quotas shared through Redis
+	@command -v redis-server >/dev/null || { \
+	  echo "==> installing Debian package redis-server"; \
+	  apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+
 run: install ## Launch the engines of $(CONFIG) and the gateway on port 8000
 	$(BIN)/python -m server up --config $(CONFIG)
 
@@ -83,14 +88,14 @@ format: install ## Apply ruff's formatting and safe fixes
 docs: install ## Build the docs site with mkdocs --strict into .cache/site (a broken link or anchor fails)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir .cache/site
 
-test: install prometheus lint docs $(DCLINT_STAMP) ## Lint and type check, build the docs, then the whole test suite (starts one real vLLM engine)
+test: install prometheus redis lint docs $(DCLINT_STAMP) ## Lint and type check, build the docs, then the whole test suite (starts one real vLLM engine)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-fast: install $(DCLINT_STAMP) ## Tests that need no real engine and no Prometheus
+test-fast: install redis $(DCLINT_STAMP) ## Tests that need no real engine and no Prometheus
 	$(BIN)/python -m pytest -m "not engine and not prometheus" $(PYTEST_ARGS)
 
 # The hogs are this recipe's own children, stopped by their ids however pytest ends.
-test-busy: install $(DCLINT_STAMP) ## test-fast with two CPU hogs beside it (the tests must hold on a busy machine)
+test-busy: install redis $(DCLINT_STAMP) ## test-fast with two CPU hogs beside it (the tests must hold on a busy machine)
 	@hogs=""; trap 'kill $$hogs 2>/dev/null || true' EXIT; trap 'exit 130' INT TERM; \
 	for i in 1 2; do $(BIN)/python -c "while True: pass" & hogs="$$hogs $$!"; done; \
 	echo "==> two CPU hogs running (pids$$hogs)"; \

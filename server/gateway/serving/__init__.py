@@ -30,12 +30,16 @@ its parent dies (PR_SET_PDEATHSIG) and also watches its parent id, so no worker 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from server.config import ServedModel
 from server.gateway.serving.process import configure_logging, run, serve_gateway
 from server.gateway.serving.supervisor import serve_workers
 from server.gateway.settings import GatewaySettings, worker_count
+from server.gateway.tenants.counters import QuotaStoreUnavailable, check_quota_store
+
+log = logging.getLogger("gateway")
 
 __all__ = ["configure_logging", "run", "serve", "serve_gateway", "serve_workers"]
 
@@ -43,6 +47,11 @@ __all__ = ["configure_logging", "run", "serve", "serve_gateway", "serve_workers"
 async def serve(settings: GatewaySettings, models: Sequence[ServedModel]) -> int:
     """Serve the gateway with `settings.workers` processes until SIGINT/SIGTERM; the exit code."""
     count = worker_count(settings.workers)
+    try:
+        await check_quota_store(settings)  # quota_store.backend redis: its server answers, or no start
+    except QuotaStoreUnavailable as exc:
+        log.error("cannot serve: quota_store: %s", exc)
+        return 2
     if count == 1:
         await serve_gateway(settings, models)
         return 0

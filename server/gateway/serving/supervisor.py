@@ -35,6 +35,7 @@ from server.config import ServedModel
 from server.gateway.observability.metrics import WORKER_RESTARTS_FILE
 from server.gateway.serving.process import served
 from server.gateway.settings import GatewaySettings, Limits
+from server.gateway.tenants.counters_host import WORKER_INDEX_ENV, host_quota_env
 
 log = logging.getLogger("gateway")
 
@@ -217,6 +218,7 @@ async def serve_workers(settings: GatewaySettings, models: Sequence[ServedModel]
     _remove_stale_metrics_dirs()
     metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
     env = {**os.environ, MULTIPROC_ENV: metrics_dir, SUPERVISOR_ENV: str(os.getpid())}
+    env.update(host_quota_env(settings, metrics_dir, count))  # one set of quota counters for all workers
     workers = _Workers(settings, models, port, env, metrics_dir)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -237,7 +239,7 @@ async def _start_worker(
 ) -> asyncio.subprocess.Process:
     worker = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "server.gateway.serving.worker",
-        stdin=asyncio.subprocess.PIPE, env=env,
+        stdin=asyncio.subprocess.PIPE, env={**env, WORKER_INDEX_ENV: str(index)},
         # Its own process group: a terminal's Ctrl-C reaches it through the supervisor only, once.
         # Not its own session: that would also be its own scheduler autogroup, a different share
         # of the CPU from the supervisor it belongs to.

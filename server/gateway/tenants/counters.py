@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from server.gateway.settings import QuotaStore, TenantLimits
+from server.gateway.settings import GatewaySettings, QuotaStore, TenantLimits
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -45,6 +46,10 @@ UNCHECKED = "unchecked"
 CONCURRENT_RETRY = 1.0  # seconds a client refused for concurrency is told to wait
 
 
+class QuotaStoreUnavailable(RuntimeError):
+    """The configured store cannot be used at start (the reason; never a URL's password)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     """A tenant's limits as the stores read them: 0 where a limit is absent."""
@@ -53,6 +58,10 @@ class Limits:
     tokens: int
     concurrent: int
     window: float
+
+    @property
+    def any(self) -> bool:
+        return bool(self.requests or self.tokens or self.concurrent)
 
     @classmethod
     def of(cls, limits: TenantLimits) -> Limits:
@@ -223,3 +232,14 @@ def _unchecked_counter(registry: CollectorRegistry | None) -> Callable[[str], No
         registry=None if multiprocess else registry,
     )
     return lambda tenant: counter.labels(tenant).inc()
+
+
+async def check_quota_store(settings: GatewaySettings, environ: Mapping[str, str] | None = None) -> None:
+    """Before any worker starts: QuotaStoreUnavailable when the counters are to be in Redis (and some
+    tenant has limits) but its URL is not given or its server does not answer."""
+    limited = any(Limits.of(tenant.limits).any for tenant in settings.tenants or ())
+    if settings.quota_store.backend != "redis" or not limited:
+        return
+    from server.gateway.tenants.counters_redis import check_redis, redis_url
+
+    await check_redis(redis_url(settings.quota_store, os.environ if environ is None else environ))

@@ -30,6 +30,7 @@ import struct
 import time
 from collections.abc import Sequence
 
+from server.gateway.settings import GatewaySettings
 from server.gateway.tenants.counters import OK, Clock, Limits, Outcome, State, decide, levels, refill, settle
 
 QUOTA_FILE_ENV = "GATEWAY_QUOTA_FILE"  # set by the supervisor for its workers: the file's path
@@ -63,6 +64,15 @@ def create_host_file(path: str, tenants: int, rows: int) -> str:
     finally:
         os.close(fd)
     return path
+
+
+def host_quota_env(settings: GatewaySettings, run_dir: str, workers: int) -> dict[str, str]:
+    """For a supervisor of `workers`: the counters file made in its `run_dir`, as the variable its
+    workers find it by; nothing when no tenant has limits or the counters are in Redis."""
+    tenants = settings.tenants or []
+    if settings.quota_store.backend != "local" or not any(Limits.of(t.limits).any for t in tenants):
+        return {}
+    return {QUOTA_FILE_ENV: create_host_file(os.path.join(run_dir, "quota.counters"), len(tenants), workers)}
 
 
 def _lock_range(fd: int, command: int, kind: int, start: int) -> int:

@@ -36,7 +36,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from server.gateway.settings import QuotaStore
-from server.gateway.tenants.counters import OK, UNCHECKED, Limits, Outcome
+from server.gateway.tenants.counters import OK, UNCHECKED, Limits, Outcome, QuotaStoreUnavailable
 
 log = logging.getLogger("gateway")
 
@@ -127,10 +127,6 @@ for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', until_, ARGV[i]) end
 redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[1]) * 2000))
 return 1
 """
-
-
-class QuotaStoreUnavailable(RuntimeError):
-    """Redis cannot be reached or used at start (the reason, without the URL's password)."""
 
 
 def where(url: str) -> str:

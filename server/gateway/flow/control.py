@@ -147,7 +147,9 @@ class FlowControl:
             async with asyncio.timeout(limit):
                 await waiter.future
         except TimeoutError:
-            if not waiter.future.done():  # (an admission that raced the timeout stands)
+            if waiter.shed is not None:
+                raise waiter.shed from None
+            if not _admitted(waiter):  # (an admission that raced the timeout stands)
                 self._remove(queue, waiter)
                 self.tally.shed(pool.name, klass, tenant, "queue_timeout", self.clock() - now)
                 raise QueueRefused(
@@ -157,9 +159,9 @@ class FlowControl:
                     self._retry_after(queue),
                 ) from None
         except asyncio.CancelledError:
-            if waiter.future.done() and waiter.shed is None and not waiter.future.cancelled():
+            if _admitted(waiter):
                 self.leave(self._pass_of(pool.name, waiter, now), None)  # admitted as it was cancelled
-            elif not waiter.future.done():
+            elif waiter.shed is None:
                 self._remove(queue, waiter)
                 self.tally.shed(pool.name, klass, tenant, "client_left", self.clock() - now)
             raise
@@ -296,3 +298,9 @@ class FlowControl:
             waiting = waiting or bool(queue.total)
         if waiting:
             self._arm_tick()
+
+
+def _admitted(waiter: Waiter) -> bool:
+    """The gate let `waiter` through (not shed, not cancelled while waiting)."""
+    future = waiter.future
+    return future.done() and not future.cancelled() and waiter.shed is None

@@ -1,0 +1,250 @@
+"""The gate's rules without I/O: FlowControl on real Engine and ModelPool objects, its clock and
+its engines' figures set by the test. Every rule of server.gateway.flow.control has a test here."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from server.gateway.flow.classes import request_class
+from server.gateway.flow.control import FlowControl, Pass
+from server.gateway.flow.errors import QueueRefused
+from server.gateway.flow.fairshare import VirtualCounters, prompt_charge
+from server.gateway.flow.saturation import capacity
+from server.gateway.replicas.engine import Engine, EngineMetrics
+from server.gateway.replicas.pool import ModelPool
+from server.gateway.settings import Flow
+
+
+def pool(n: int = 1) -> ModelPool:
+    return ModelPool("m", [Engine("m", f"http://127.0.0.1:{9000 + i}") for i in range(n)])
+
+
+def control(**settings: object) -> FlowControl:
+    return FlowControl(Flow.model_validate({"max_num_seqs": 2, "tick_s": 0.01, **settings}))
+
+
+def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, object]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_a_client_may_lower_its_class_never_raise_it() -> None:
+    assert request_class("interactive", None) == "interactive"
+    assert request_class("interactive", "batch") == "batch"
+    assert request_class("standard", " Batch ") == "batch"
+    assert request_class("batch", "interactive") == "batch"
+    assert request_class("standard", "interactive") == "standard"
+    assert request_class("standard", "urgent") == "standard"
+
+
+def test_prompt_charge_is_the_uncached_part() -> None:
+    assert prompt_charge(1000, 900) == 100
+    assert prompt_charge(10, 50) == 0  # an engine's odd figure never charges below zero
+    assert prompt_charge(10, 0) == 10
+
+
+def test_a_tenant_back_from_a_pause_is_lifted_to_the_waiting_minimum() -> None:
+    counters = VirtualCounters()
+    counters.charge("busy", 500)
+    counters.charge("other", 800)
+    counters.lift("idle", ["busy", "other"])
+    assert counters.get("idle") == 500
+    counters.charge("rich", 2000)
+    counters.lift("rich", ["busy"])
+    assert counters.get("rich") == 2000  # never lowered
+
+
+def test_capacity_counts_healthy_engines_not_full_and_a_workers_share() -> None:
+    engines = pool(3).engines
+    assert capacity(engines, 32, 0.98) == 96
+    engines[0].healthy = False
+    engines[1].record_scrape(EngineMetrics(kv_usage=0.99), at=0.0)
+    assert capacity(engines, 32, 0.98) == 32
+    assert capacity(engines, 32, 0.98, workers=3) == 11
+    assert capacity(engines, 1, 0.98, workers=4) == 1
+
+
+async def test_requests_pass_at_once_while_there_is_room_and_wait_when_full() -> None:
+    gate, p = control(), pool()
+    first = await gate.enter(p, "a", "standard", 10)
+    second = await gate.enter(p, "a", "standard", 10)
+    assert first.waited == second.waited == 0
+    third = asyncio.create_task(gate.enter(p, "a", "standard", 10))
+    await settle()
+    assert not third.done() and gate.models["m"].total == 1
+    gate.leave(first, usage(5, 5))
+    held = await asyncio.wait_for(third, 30)  # admitted in the same step as the leave
+    assert gate.models["m"].inflight == 2 and held.waited > 0
+    gate.leave(second, None)
+    gate.leave(held, None)
+    gate.leave(held, None)  # twice is once
+    assert gate.models["m"].inflight == 0
+
+
+async def test_higher_classes_go_first_and_a_newcomer_never_passes_a_waiting_request() -> None:
+    gate, p = control(), pool()
+    running = [await gate.enter(p, "t", "batch", 1) for _ in range(2)]
+    order: list[str] = []
+
+    async def one(tenant: str, klass: str) -> Pass:
+        held = await gate.enter(p, tenant, klass, 1)  # type: ignore[arg-type]
+        order.append(klass)
+        return held
+
+    tasks = [asyncio.create_task(one("b", "batch")), asyncio.create_task(one("s", "standard"))]
+    await settle()
+    tasks.append(asyncio.create_task(one("i", "interactive")))
+    await settle()
+    for held in running:
+        gate.leave(held, None)
+    admitted = [await asyncio.wait_for(tasks[2], 30), await asyncio.wait_for(tasks[1], 30)]
+    assert order == ["interactive", "standard"]
+    gate.leave(admitted[0], None)
+    await asyncio.wait_for(tasks[0], 30)
+    assert order == ["interactive", "standard", "batch"]
+
+
+async def test_within_a_class_the_smallest_virtual_counter_goes_first() -> None:
+    """Tenant heavy sends ten times as many requests: while both wait, they alternate by tokens served."""
+    gate, p = control(max_num_seqs=1), pool()
+    held = await gate.enter(p, "heavy", "batch", 100)
+    served: list[str] = []
+
+    async def one(tenant: str) -> None:
+        mine = await gate.enter(p, tenant, "batch", 100)
+        served.append(tenant)
+        await asyncio.sleep(0)
+        gate.leave(mine, usage(100, 100))
+
+    tasks = [asyncio.create_task(one("heavy")) for _ in range(20)]
+    await settle()
+    tasks += [asyncio.create_task(one("light")) for _ in range(2)]
+    await settle()
+    gate.leave(held, usage(100, 100))
+    await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    # light arrived after 20 of heavy's, and still went second and fourth (lifted, not banked).
+    assert served.index("light") <= 2 and served[:5].count("light") == 2, served
+
+
+async def test_uncached_charging_serves_a_cached_prefix_tenant_more() -> None:
+    gate, p = control(max_num_seqs=1), pool()
+    held = await gate.enter(p, "x", "batch", 0)
+    served: list[str] = []
+
+    async def one(tenant: str, cached: int) -> None:
+        mine = await gate.enter(p, tenant, "batch", 0)
+        served.append(tenant)
+        await asyncio.sleep(0)
+        gate.leave(mine, usage(1000, 10, cached=cached))
+
+    tasks = [asyncio.create_task(one("shared", 900)) for _ in range(30)]
+    tasks += [asyncio.create_task(one("unique", 0)) for _ in range(30)]
+    await settle()
+    gate.leave(held, None)
+    await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    first = served[:30]  # both backlogged: 110 tokens a request against 1,010, so ~9 to 1
+    assert first.count("shared") >= 5 * first.count("unique") > 0, first
+    assert gate.counters.get("shared") == 30 * 110 and gate.counters.get("unique") == 30 * 1010
+
+
+async def test_a_full_class_queue_is_refused_429_with_retry_after() -> None:
+    gate, p = control(max_queued={"batch": 1}), pool()
+    [await gate.enter(p, "t", "batch", 1) for _ in range(2)]
+    waiting = asyncio.create_task(gate.enter(p, "t", "batch", 1))
+    await settle()
+    with pytest.raises(QueueRefused) as refused:
+        await gate.enter(p, "t", "batch", 1)
+    assert refused.value.status == 429 and refused.value.code == "queue_full"
+    assert refused.value.headers == [(b"retry-after", str(refused.value.retry_after).encode())]
+    assert gate.tally.shed_total["m", "batch", "t", "queue_full"] == 1
+    waiting.cancel()
+
+
+async def test_a_request_past_its_class_wait_is_refused() -> None:
+    gate, p = control(max_wait={"interactive": 0.05}), pool()
+    [await gate.enter(p, "t", "batch", 1) for _ in range(2)]
+    with pytest.raises(QueueRefused) as refused:
+        await gate.enter(p, "t", "interactive", 1)
+    assert refused.value.code == "queue_timeout"
+    assert gate.models["m"].total == 0 and gate.models["m"].inflight == 2
+
+
+async def test_the_wait_is_capped_below_the_first_byte_deadline() -> None:
+    gate = FlowControl(Flow(max_num_seqs=1), wait_cap=0.05)
+    p = pool()
+    await gate.enter(p, "t", "batch", 1)
+    with pytest.raises(QueueRefused):
+        await gate.enter(p, "t", "batch", 1)  # 110 s by default; 0.0475 s under a 0.05 s deadline
+
+
+async def test_when_every_queue_is_full_batch_is_shed_first_interactive_last() -> None:
+    gate, p = control(max_queued_total=2), pool()
+    [await gate.enter(p, "t", "standard", 1) for _ in range(2)]
+    old = asyncio.create_task(gate.enter(p, "b", "batch", 1))
+    await settle()
+    new = asyncio.create_task(gate.enter(p, "b", "batch", 1))
+    await settle()
+    interactive = asyncio.create_task(gate.enter(p, "i", "interactive", 1))
+    await settle()
+    with pytest.raises(QueueRefused) as displaced:
+        await asyncio.wait_for(new, 30)  # the newest batch request gave its place
+    assert displaced.value.code == "queue_displaced"
+    assert not old.done() and not interactive.done()
+    with pytest.raises(QueueRefused):
+        await gate.enter(p, "b", "batch", 1)  # a batch newcomer displaces nobody
+    old.cancel()
+    interactive.cancel()
+
+
+async def test_a_request_cancelled_while_queued_leaves_the_queue_and_takes_no_slot() -> None:
+    gate, p = control(), pool()
+    running = [await gate.enter(p, "t", "batch", 1) for _ in range(2)]
+    gone = asyncio.create_task(gate.enter(p, "t", "batch", 1))
+    await settle()
+    gone.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    assert gate.models["m"].total == 0
+    assert gate.tally.shed_total["m", "batch", "t", "client_left"] == 1
+    gate.leave(running[0], None)
+    assert gate.models["m"].inflight == 1
+
+
+async def test_no_healthy_engine_lets_requests_through_for_routing_to_answer_503() -> None:
+    gate, p = control(), pool()
+    [await gate.enter(p, "t", "batch", 1) for _ in range(2)]
+    waiting = asyncio.create_task(gate.enter(p, "t", "batch", 1))
+    await settle()
+    p.engines[0].healthy = False
+    await asyncio.wait_for(waiting, 30)  # the tick sees the model has no engine: routing will say 503
+    assert (await gate.enter(p, "t", "batch", 1)).waited == 0
+
+
+async def test_capacity_that_grows_without_a_departure_admits_on_the_tick() -> None:
+    gate, p = control(), pool(2)
+    p.engines[1].healthy = False
+    [await gate.enter(p, "t", "batch", 1) for _ in range(2)]
+    waiting = asyncio.create_task(gate.enter(p, "t", "batch", 1))
+    await settle()
+    assert not waiting.done()
+    p.engines[1].healthy = True  # back up (a health check): work-conserving, no leave needed
+    await asyncio.wait_for(waiting, 30)
+
+
+async def test_settling_returns_an_unused_reservation() -> None:
+    gate, p = control(), pool()
+    held = await gate.enter(p, "t", "batch", 300)
+    assert gate.counters.get("t") == 300
+    gate.leave(held, usage(200, 40, cached=150))
+    assert gate.counters.get("t") == 90
+    assert gate.tally.served_tokens["m", "t"] == 90

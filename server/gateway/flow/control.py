@@ -78,6 +78,7 @@ class ModelQueue:
 
     pool: ModelPool
     inflight: int = 0
+    by_class: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))  # in flight per class
     queued: dict[str, dict[str, deque[Waiter]]] = field(default_factory=lambda: {c: {} for c in CLASSES})
     lengths: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))
     service_s: float = 1.0  # moving average of an admitted request's time at the engine (Retry-After)
@@ -100,10 +101,12 @@ class FlowControl:
         max_num_seqs: Mapping[str, int | None] | None = None,
         workers: int = 1,
         wait_cap: float | None = None,
+        priority_models: frozenset[str] = frozenset(),
         clock: Callable[[], float] = perf_counter,
     ) -> None:
         self.settings = settings
         self.workers = workers
+        self.priority_models = priority_models  # models whose engines schedule by priority (vLLM)
         self.wait_cap = wait_cap  # the first-byte deadline, which the wait counts toward (proxy.deadlines)
         self.clock = clock
         self._max_num_seqs = dict(max_num_seqs or {})
@@ -132,7 +135,7 @@ class FlowControl:
         QueueRefused, or CancelledError when the request's task is cancelled while it waits."""
         queue = self._queue(pool)
         now = self.clock()
-        if not queue.total and (queue.inflight < self.capacity(pool) or not pool.healthy_count):
+        if not queue.total and (self._room(queue, klass) > 0 or not pool.healthy_count):
             return self._admit(queue, tenant, klass, cost, now, now)  # room (or no engine: routing says 503)
         self._make_room(queue, tenant, klass)
         self.counters.lift(tenant, queue.waiting_tenants())
@@ -185,13 +188,26 @@ class FlowControl:
         if queue is None:
             return
         queue.inflight -= 1
+        queue.by_class[held.klass] -= 1
         queue.service_s += 0.1 * ((self.clock() - held.admitted_at) - queue.service_s)
         self._dispatch(queue)
 
     # -- the queue's side -------------------------------------------------------------------------
 
+    def _room(self, queue: ModelQueue, klass: Class) -> int:
+        """Requests of `klass` the model takes now. Engines that schedule by priority (vLLM's
+        priority policy: a higher class runs first and preempts lower ones) count only the
+        requests in flight of `klass` and above: an interactive request goes in beside a full
+        batch, and vLLM makes room for it; other engines count every request in flight."""
+        cap = self.capacity(queue.pool)
+        if queue.pool.name not in self.priority_models:
+            return cap - queue.inflight
+        rank = RANK[klass]
+        return cap - sum(n for k, n in queue.by_class.items() if RANK[k] <= rank)
+
     def _admit(self, queue: ModelQueue, tenant: str, klass: Class, cost: float, arrived: float, now: float) -> Pass:
         queue.inflight += 1
+        queue.by_class[klass] += 1
         self.counters.charge(tenant, cost)
         self.tally.admitted(queue.pool.name, klass, tenant, now - arrived)
         return Pass(queue.pool.name, tenant, klass, cost, now - arrived, now)
@@ -201,31 +217,28 @@ class FlowControl:
         return Pass(model, waiter.tenant, waiter.klass, waiter.cost, now - arrived, now)
 
     def _dispatch(self, queue: ModelQueue) -> None:
-        """Admit waiting requests, in order, while the model has room (or has no engine at all)."""
+        """Admit waiting requests, in order, while the model has room (or has no engine at all).
+        Room for the next in order is room for it or for nobody (a lower class has no more)."""
         while queue.total:
-            room = self.capacity(queue.pool) - queue.inflight
-            if room <= 0 and queue.pool.healthy_count:
+            waiter = self._peek(queue)
+            if self._room(queue, waiter.klass) <= 0 and queue.pool.healthy_count:
                 return
-            waiter = self._next(queue)
+            self._remove(queue, waiter)
             queue.inflight += 1
+            queue.by_class[waiter.klass] += 1
             self.counters.charge(waiter.tenant, waiter.cost)
             self.tally.admitted(queue.pool.name, waiter.klass, waiter.tenant, self.clock() - waiter.arrived)
             waiter.future.set_result(None)
 
-    def _next(self, queue: ModelQueue) -> Waiter:
-        """Take the next request: highest class, then smallest virtual counter, then first come."""
+    def _peek(self, queue: ModelQueue) -> Waiter:
+        """The next request in order: highest class, then smallest virtual counter, then first come."""
         for klass in CLASSES:
             tenants = queue.queued[klass]
             if tenants:
                 counters = self.counters
                 tenant = min(tenants, key=lambda t: (counters.get(t), tenants[t][0].arrived))
-                waiters = tenants[tenant]
-                waiter = waiters.popleft()
-                if not waiters:
-                    del tenants[tenant]
-                queue.lengths[klass] -= 1
-                return waiter
-        raise AssertionError("_next on an empty queue")
+                return tenants[tenant][0]
+        raise AssertionError("_peek on an empty queue")
 
     def _remove(self, queue: ModelQueue, waiter: Waiter) -> None:
         waiters = queue.queued[waiter.klass].get(waiter.tenant)

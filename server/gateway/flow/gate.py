@@ -57,11 +57,8 @@ class FlowGate:
                 pool.name, request.body, pool.engines, precise=False, adapter=request.adapter
             )
         cost = self._uncached_tokens(pool, prompt) + _output_tokens(request.body, self.control)
-        if self.control.settings.set_priority is not False and (
-            self.control.settings.set_priority or pool.name in self.priority_models
-        ):
-            if request.endpoint.name in PRIORITY_ENDPOINTS:
-                request.replace_body({**request.body, "priority": VLLM_PRIORITY[klass]})
+        if pool.name in self.priority_models and request.endpoint.name in PRIORITY_ENDPOINTS:
+            request.replace_body({**request.body, "priority": VLLM_PRIORITY[klass]})
         started = perf_counter()
         try:
             held = await self.control.enter(pool, tenant, klass, cost)
@@ -109,12 +106,16 @@ def build_gate(
         workers = worker_count(settings.workers)
     except ValueError:
         workers = 1
+    priority_models = frozenset(m.name for m in models if m.priority_scheduling)
+    if settings.flow.set_priority is not None:
+        priority_models = frozenset(m.name for m in models) if settings.flow.set_priority else frozenset()
     control = FlowControl(
         settings.flow,
         max_num_seqs={m.name: m.max_num_seqs for m in models},
         workers=workers,
         wait_cap=settings.timeouts.first_byte,
+        priority_models=priority_models,
     )
     registry.register(FlowCollector(control, [t.name for t in settings.tenants]))
     classes: dict[str, Class] = {t.name: t.priority for t in settings.tenants}
-    return FlowGate(control, classes, frozenset(m.name for m in models if m.priority_scheduling))
+    return FlowGate(control, classes, priority_models)

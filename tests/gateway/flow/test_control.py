@@ -248,3 +248,25 @@ async def test_settling_returns_an_unused_reservation() -> None:
     gate.leave(held, usage(200, 40, cached=150))
     assert gate.counters.get("t") == 90
     assert gate.tally.served_tokens["m", "t"] == 90
+
+
+async def test_with_priority_scheduling_a_higher_class_goes_in_beside_a_full_lower_one() -> None:
+    """vLLM's priority policy runs it first (preempting batch): it need not wait for a batch slot."""
+    gate = FlowControl(Flow(max_num_seqs=2, tick_s=0.01), priority_models=frozenset({"m"}))
+    p = pool()
+    batch = [await gate.enter(p, "b", "batch", 1) for _ in range(2)]
+    queued_batch = asyncio.create_task(gate.enter(p, "b", "batch", 1))
+    await settle()
+    assert not queued_batch.done()
+    interactive = [await asyncio.wait_for(gate.enter(p, "i", "interactive", 1), 30) for _ in range(2)]
+    assert all(held.waited < 30 for held in interactive)
+    third = asyncio.create_task(gate.enter(p, "i", "interactive", 1))  # its own class is full: it waits
+    await settle()
+    assert not third.done()
+    gate.leave(batch[0], None)
+    await settle()
+    assert not third.done() and not queued_batch.done()  # batch leaving frees no interactive room
+    gate.leave(interactive[0], None)
+    await asyncio.wait_for(third, 30)
+    assert not queued_batch.done()
+    queued_batch.cancel()

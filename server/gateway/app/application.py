@@ -34,6 +34,7 @@ from server.gateway.app import ops
 from server.gateway.app.auth import check_api_key
 from server.gateway.app.openapi import proxied_paths
 from server.gateway.app.proxied import ProxiedEndpoints
+from server.gateway.app.responses import ResponsesApi
 from server.gateway.app.state import GatewayState
 from server.gateway.errors import (
     GatewayError,
@@ -77,6 +78,7 @@ class GatewayApp(FastAPI):
         *,
         state: GatewayState,
         proxied: ProxiedEndpoints,
+        responses: ResponsesApi | None = None,
         lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
         title: str = "llm-serving gateway",
         version: str = "0.1.0",
@@ -93,7 +95,11 @@ class GatewayApp(FastAPI):
         )
         self.state = state
         self.proxied = proxied
+        self.responses = responses  # the Responses API's stored state (app.responses), ahead of the proxied routes
         self.include_router(ops.router)
+        if responses is not None:
+            for path in ("/v1/responses", "/v1/responses/{response_id}", "/v1/responses/{response_id}/{tail}"):
+                self.router.routes.append(Route(path, responses, include_in_schema=False))
         for endpoint in ENDPOINTS:
             self.router.routes.append(
                 Route(
@@ -114,6 +120,12 @@ class GatewayApp(FastAPI):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             path, method = scope["path"], scope["method"]
+            if self.responses is not None and self.responses.route(path, method) is not None:
+                if not self.user_middleware:
+                    await self.responses(scope, receive, send)
+                    return
+                await super().__call__(scope, receive, send)
+                return
             endpoint = BY_PATH.get(path) if method == "POST" else None
             param = ""
             if endpoint is None and (found := match(path, method)) is not None:

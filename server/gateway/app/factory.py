@@ -26,7 +26,9 @@ from server.gateway.app.application import GatewayApp
 from server.gateway.app.auth import load_admin_keys, load_api_keys, load_tenants
 from server.gateway.app.hooks import apply_hooks
 from server.gateway.app.proxied import ProxiedEndpoints
+from server.gateway.app.responses import ResponsesApi
 from server.gateway.app.state import GatewayState
+from server.gateway.conversations.store import open_store
 from server.gateway.flow.gate import build_gate
 from server.gateway.observability.logs import log_request as default_log_request
 from server.gateway.observability.metrics import GatewayMetrics
@@ -164,9 +166,11 @@ def create_app(
         await health.start()
         await scraper.start()
         await kv_events.start()
+        await responses.start()  # the response store opens (refused with the reason if it cannot)
 
     async def shutdown() -> None:
         try:
+            await responses.aclose()
             await discovery.aclose()
             await kv_events.aclose()
             await scraper.aclose()
@@ -214,7 +218,11 @@ def create_app(
         tenants=tenants,
         cache_salts=load_cache_salts(settings, environ),
     )
-    app = GatewayApp(state=state, proxied=proxied, lifespan=lifespan)
+    store = open_store(
+        settings.responses_store, environ=environ, base=settings.source.parent if settings.source else None
+    )
+    responses = ResponsesApi(proxied=proxied, store=store, config=settings.responses_store)
+    app = GatewayApp(state=state, proxied=proxied, responses=responses, lifespan=lifespan)
     if ledger is not None:
         app.include_router(admin_router(admin_keys, ledger))
     apply_hooks(app, settings.app_hooks)

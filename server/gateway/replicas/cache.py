@@ -19,6 +19,7 @@ one small request to an engine per routed request, only while precise routing ca
 from __future__ import annotations
 
 import logging
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,8 @@ log = logging.getLogger("gateway.routing")
 CHARS_PER_TOKEN = 4
 LEARN_AFTER_TOKENS = 4096  # prompt tokens an engine must count before a ratio is learned from them
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default on GPU, when neither events, metrics nor profile say
+TRAFFIC_WINDOW = 64  # recent prompts whose blocks say which prefix is hot (PrefixTraffic)
+EVICTING_SECONDS = 10.0  # an engine that sent a BlockRemoved this recently is evicting
 
 
 @dataclass
@@ -127,6 +130,8 @@ class CacheState:
         self.block_chars = block_chars
         self._capacity: dict[str, tuple[float, float]] = {}  # engine id -> (KV tokens, chars per token) sized for
         self._ratios: dict[str, _CharsPerToken] = {}
+        self.traffic = PrefixTraffic()
+        self._removals: dict[str, tuple[int, float]] = {}  # engine id -> (its BlockRemoved count, when it last grew)
 
     def precise_ready(self, engines: Sequence[Engine]) -> bool:
         """Every one of `engines` has live KV events."""
@@ -172,16 +177,55 @@ class CacheState:
             out = []
             blocks = 0
             for engine in engines:
-                keys = prompt.token_keys(self.block_size(engine, configured_block_size))
+                size = self.block_size(engine, configured_block_size)
+                keys = prompt.token_keys(size)
                 blocks = max(blocks, len(keys))
-                out.append(Candidate(engine, self.precise.matched(engine.id, keys, now), self.precise.held(engine.id)))
+                held = self.precise.held(engine.id)
+                pressure = self._pressure(engine, held, self._capacity_blocks(engine, size), now)
+                out.append(Candidate(engine, self.precise.matched(engine.id, keys, now), held, pressure))
             return "precise", blocks, out
         keys = prompt.text_keys
-        return (
-            "approximate",
-            len(keys),
-            [Candidate(e, self.approximate.matched(e.id, keys, now), self.approximate.held(e.id)) for e in engines],
-        )
+        out = []
+        for engine in engines:
+            held = self.approximate.held(engine.id)
+            capacity = self.approximate.capacity(engine.id)
+            pressure = max(held / capacity if capacity else 0.0, _usage(engine))
+            out.append(Candidate(engine, self.approximate.matched(engine.id, keys, now), held, min(1.0, pressure)))
+        return "approximate", len(keys), out
+
+    def hot_blocks(
+        self,
+        engines: Sequence[Engine],
+        prompt: PromptView | None,
+        source: str,
+        *,
+        configured_block_size: int | None = None,
+    ) -> int:
+        """How many of the prompt's leading blocks (in `source`'s blocks) are a hot shared prefix."""
+        if prompt is None or source == "none" or not engines:
+            return 0
+        if source == "precise":
+            keys = prompt.token_keys(self.block_size(engines[0], configured_block_size))
+        else:
+            keys = prompt.text_keys
+        return self.traffic.hot(keys, len(engines))
+
+    def _capacity_blocks(self, engine: Engine, block_size: int) -> float:
+        tokens = engine.metrics.kv_capacity_tokens or engine.planned_kv_tokens
+        return tokens / block_size if tokens and block_size > 0 else 0.0
+
+    def _pressure(self, engine: Engine, held: int, capacity: float, now: float) -> float:
+        """0..1: the cache's fullness (blocks held over capacity, or KV usage), 1 while it evicts."""
+        removed = self.precise.state(engine.id).removed
+        count, grew = self._removals.get(engine.id, (0, float("-inf")))
+        if removed > count:
+            count, grew = removed, now
+        elif removed < count:  # the index was rebuilt
+            count = removed
+        self._removals[engine.id] = (count, grew)
+        if now - grew < EVICTING_SECONDS:
+            return 1.0
+        return min(1.0, max(held / capacity if capacity else 0.0, _usage(engine)))
 
     def sent(
         self, engine: Engine, prompt: PromptView | None, now: float, *, configured_block_size: int | None = None
@@ -192,8 +236,12 @@ class CacheState:
         self._ratio(engine).chars += prompt.chars
         self._size_record(engine)
         self.approximate.record(engine.id, prompt.text_keys, now)
+        keys = [prompt.text_keys]
         if prompt.tokens is not None:
-            self.precise.speculate(engine.id, prompt.token_keys(self.block_size(engine, configured_block_size)), now)
+            token_keys = prompt.token_keys(self.block_size(engine, configured_block_size))
+            self.precise.speculate(engine.id, token_keys, now)
+            keys.append(token_keys)
+        self.traffic.add(keys)
 
     def _ratio(self, engine: Engine) -> _CharsPerToken:
         ratio = self._ratios.get(engine.id)
@@ -209,6 +257,52 @@ class CacheState:
         if tokens and self._capacity.get(engine.id) != (tokens, ratio):
             self._capacity[engine.id] = (tokens, ratio)
             self.approximate.set_capacity(engine.id, int(tokens * ratio / self.block_chars))
+
+
+def _usage(engine: Engine) -> float:
+    usage = engine.metrics.kv_usage
+    return 0.0 if usage is None else min(1.0, max(0.0, usage))
+
+
+class PrefixTraffic:
+    """Which blocks the recent prompts began with: a block that more than one replica's share of
+    them carried (a company's house rules at the head of every tenant's system prompt) is a hot
+    shared prefix. In a balanced split every replica serves some of those prompts, so every
+    replica holds that prefix soon anyway: matching it does not tell replicas apart (scoring.py).
+
+    The count of a block never exceeds its parent's (a prompt that carries a block carries every
+    block before it), so the hot blocks of a prompt are always its leading ones."""
+
+    def __init__(self, window: int = TRAFFIC_WINDOW) -> None:
+        self.window = window
+        self._prompts: deque[tuple[BlockKey, ...]] = deque()
+        self._counts: Counter[BlockKey] = Counter()
+
+    def add(self, key_lists: Sequence[Sequence[BlockKey]]) -> None:
+        """One routed prompt's blocks (its text blocks and, when tokenized, its token blocks)."""
+        keys = tuple(dict.fromkeys(k for keys in key_lists for k in keys))
+        self._prompts.append(keys)
+        self._counts.update(keys)
+        while len(self._prompts) > self.window:
+            for key in self._prompts.popleft():
+                left = self._counts[key] - 1
+                if left > 0:
+                    self._counts[key] = left
+                else:
+                    del self._counts[key]
+
+    def hot(self, keys: Sequence[BlockKey], replicas: int) -> int:
+        """How many leading `keys` more than 1/`replicas` of the recent prompts carried (and at least 2)."""
+        if replicas <= 1 or not self._prompts:
+            return 0
+        share = len(self._prompts) / replicas
+        count = 0
+        for key in keys:
+            seen = self._counts.get(key, 0)
+            if seen < 2 or seen <= share:
+                break
+            count += 1
+        return count
 
 
 @dataclass

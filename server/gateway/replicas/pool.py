@@ -11,7 +11,9 @@ so two requests arriving together cannot both see an idle engine (there is no `a
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +38,8 @@ class ModelPool:
     configured_block_size: int | None = None  # from the profile, until the engines say theirs
     cache: CacheState = field(default_factory=CacheState)  # the prefix indexes (EnginePool shares one)
     _turn: int = field(default=0, init=False, repr=False)
+    # The engine ids of the last cache_aware decisions, for the split guard (Routing.share_window).
+    _recent: deque[str] = field(default_factory=deque, init=False, repr=False)
 
     @property
     def max_model_len(self) -> int | None:
@@ -101,11 +105,15 @@ class ModelPool:
             engine = live[0]
             engine.outstanding += 1
             self.cache.sent(engine, prompt, now, configured_block_size=self.configured_block_size)
+            self._remember(engine, policy.share_window)
             return Decision(engine, "only_choice", "cache_aware")
         precise = policy.prefix_index == "precise"
         source, blocks, candidates = self.cache.candidates(
             live, prompt, now, precise=precise, configured_block_size=self.configured_block_size
         )
+        hot = self.cache.hot_blocks(live, prompt, source, configured_block_size=self.configured_block_size)
+        recent = Counter(self._recent)
+        candidates = [dataclasses.replace(c, recent=recent.get(c.engine.id, 0)) for c in candidates]
         preferred = routing.rendezvous_order(key, live)[0] if routing.is_session_key(key) and key else None
         decision = choose_scored(
             candidates,
@@ -115,11 +123,21 @@ class ModelPool:
             max_imbalance=policy.max_imbalance,
             turn=self._turn,
             source=source,
+            hot_blocks=hot,
+            window=len(self._recent),
+            max_split=policy.max_split,
         )
         assert decision is not None  # `live` is not empty
         decision.engine.outstanding += 1
         self.cache.sent(decision.engine, prompt, now, configured_block_size=self.configured_block_size)
+        self._remember(decision.engine, policy.share_window)
         return decision
+
+    def _remember(self, engine: Engine, window: int) -> None:
+        """`engine` took a request: the split guard's window of the last `window` decisions."""
+        self._recent.append(engine.id)
+        while len(self._recent) > window:
+            self._recent.popleft()
 
     def side_engine(self) -> Engine | None:
         """An engine for a side request of the gateway's own (trimming's /tokenize): the least loaded

@@ -44,7 +44,7 @@ from server.deploy.containers import VLLM_GPU_IMAGE as VLLM_GPU_IMAGE
 from server.deploy.downloads import download_services
 from server.deploy.engine_service import engine_service, scaled_engine_service
 from server.deploy.errors import ComposeError
-from server.deploy.gateway_service import gateway_service, render_gateway_config
+from server.deploy.gateway_service import REDIS_SERVICE, gateway_service, redis_service, render_gateway_config
 from server.deploy.monitoring import (
     alertmanager_config,
     monitoring_services,
@@ -52,6 +52,7 @@ from server.deploy.monitoring import (
 )
 from server.deploy.plan import DeploymentPlan, plan_deployment
 from server.deploy.scaled import ScaledService, ScaledServiceError, scaled_services
+from server.deploy.secrets import LiteralKeys, SecretSources, secret_sources
 from server.gateway.settings import load_settings
 
 
@@ -86,6 +87,7 @@ def render_compose(
     gateway_file: str,
     scaled: list[ScaledService],
     shutdown_grace: float,
+    secrets: SecretSources | None = None,
 ) -> dict[str, Any]:
     """The compose file as a mapping: services by name (compose starts them in `depends_on` order)."""
     engines = [*plan.engines, *(s.engine for s in scaled)]
@@ -98,7 +100,13 @@ def render_compose(
         if service.name in services:
             raise ComposeError(f"model {service.engine.model!r}: dns names the service {service.name!r}, taken already")
         services[service.name] = scaled_engine_service(service, compose_dir)
-    services["gateway"] = gateway_service(plan, gateway_file, scaled=scaled, shutdown_grace=shutdown_grace)
+    services["gateway"] = gateway_service(
+        plan, gateway_file, scaled=scaled, shutdown_grace=shutdown_grace, secrets=secrets
+    )
+    if secrets is not None and secrets.redis_url_env:
+        if REDIS_SERVICE in services:
+            raise ComposeError(f"quota_store.backend redis: the service name {REDIS_SERVICE!r} is taken already")
+        services[REDIS_SERVICE] = redis_service()
     services.update(monitoring_services(prometheus_file))
     return {
         "name": project,
@@ -155,7 +163,14 @@ def render_files(models: Sequence[ModelEngines], *, config: Path, output: Path) 
     header = files.header(config, make=make, command="compose")
     if plan.gpu_count:
         header += f"# NVIDIA GPUs needed on this host: {plan.gpu_count}.\n"
+    settings = load_settings(config)
+    try:
+        secrets = secret_sources(settings, config, gateway_path.as_posix())
+    except LiteralKeys as exc:
+        raise ComposeError(str(exc)) from None
     taken = {engine.service for engine in plan.engines} | {"gateway", *monitoring_services(prometheus_path.name)}
+    if secrets.redis_url_env:
+        taken.add(REDIS_SERVICE)
     try:
         scaled = scaled_services(plan, taken)
     except ScaledServiceError as exc:
@@ -167,7 +182,8 @@ def render_files(models: Sequence[ModelEngines], *, config: Path, output: Path) 
         prometheus_file=prometheus_path.name,
         gateway_file=gateway_path.name,
         scaled=scaled,
-        shutdown_grace=load_settings(config).limits.shutdown_grace,
+        shutdown_grace=settings.limits.shutdown_grace,
+        secrets=secrets,
     )
     prometheus = render_prometheus(plan, gateway=f"gateway:{GATEWAY_PORT}", dns=dns_targets(plan))
     return {

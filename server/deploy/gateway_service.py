@@ -6,6 +6,11 @@ tokens, so the container shows planned against actual capacity without a model o
 own. The service publishes the gateway on this host only unless GATEWAY_BIND says otherwise,
 starts after its engines (started, not healthy: the gateway checks its engines itself) and gets
 its `limits.shutdown_grace` plus a margin to drain on `docker compose down`.
+
+Tenants' keys and the gateway's secrets never enter the rendered files (server.deploy.secrets):
+the service passes their variables through from the host, a tenant's `api_keys_file` is rewritten
+to the same file under the mounted configs/, and `quota_store.backend: redis` adds a `redis`
+service the gateway's $GATEWAY_REDIS_URL points at unless the host names a Redis of its own.
 """
 
 from __future__ import annotations
@@ -26,12 +31,18 @@ from server.deploy.containers import (
 from server.deploy.errors import ComposeError
 from server.deploy.plan import DeploymentPlan, PlannedModel
 from server.deploy.scaled import ScaledService
+from server.deploy.secrets import SecretSources
 from server.engine.planner import PlanError, parse_size, plan_profile
 
 
 def gateway_command() -> list[str]:
     """`python -m server serve ...` arguments (after the image's `python -m server` entrypoint)."""
     return ["serve", "--config", GATEWAY_CONFIG_IN_CONTAINER, "--host", "0.0.0.0", "--port", str(GATEWAY_PORT)]
+
+
+REDIS_IMAGE = "redis:7.4.2-alpine"  # pinned; quota counters only: nothing persisted
+REDIS_SERVICE = "redis"
+REDIS_URL = f"redis://{REDIS_SERVICE}:6379/0"
 
 
 def render_gateway_config(plan: DeploymentPlan, config: Path, compose_dir: Path) -> dict[str, Any]:
@@ -61,7 +72,25 @@ def render_gateway_config(plan: DeploymentPlan, config: Path, compose_dir: Path)
     for key, value in read_mapping(config).items():
         if key not in rendered:
             rendered[key] = value
+    if isinstance(rendered.get("tenants"), list):
+        rendered["tenants"] = [_tenant_in_container(t, i, config, configs) for i, t in enumerate(rendered["tenants"])]
     return rendered
+
+
+def _tenant_in_container(tenant: Any, index: int, config: Path, configs: Path) -> Any:
+    """A tenant as the gateway container reads it: its `api_keys_file` as a path under the mounted
+    configs/ (relative to docker/gateway.yaml, as the profiles are); refused when outside it."""
+    if not isinstance(tenant, dict) or not isinstance(tenant.get("api_keys_file"), str):
+        return tenant
+    written = Path(tenant["api_keys_file"])
+    found = (written if written.is_absolute() else config.parent / written).resolve()
+    if not found.is_relative_to(configs):
+        raise ComposeError(
+            f"{config}: tenants.{index} ({tenant.get('name')}).api_keys_file: {found} is outside {configs}, "
+            "the only folder the gateway container mounts; keep key files under it (and out of git), "
+            "or name a variable (api_keys_env)"
+        )
+    return {**tenant, "api_keys_file": f"../configs/{found.relative_to(configs).as_posix()}"}
 
 
 def planned_kv_tokens(model: PlannedModel) -> int | None:
@@ -84,7 +113,12 @@ def planned_kv_tokens(model: PlannedModel) -> int | None:
 
 
 def gateway_service(
-    plan: DeploymentPlan, gateway_file: str, *, scaled: list[ScaledService], shutdown_grace: float
+    plan: DeploymentPlan,
+    gateway_file: str,
+    *,
+    scaled: list[ScaledService],
+    shutdown_grace: float,
+    secrets: SecretSources | None = None,
 ) -> dict[str, Any]:
     """The gateway's service: the gateway image serving `gateway_file`, after every engine service."""
     service: dict[str, Any] = {
@@ -93,8 +127,8 @@ def gateway_service(
         "pull_policy": "build",  # a local image: no registry has it
         "command": gateway_command(),
         # Comma-separated API keys clients must send, passed on only when the host sets it (the
-        # gateway refuses to start on a variable that is set but empty).
-        "environment": {"GATEWAY_API_KEYS": None},
+        # gateway refuses to start on a variable that is set but empty); with tenants, their keys.
+        "environment": _secret_environment(secrets),
         "volumes": [
             f"./{gateway_file}:{GATEWAY_CONFIG_IN_CONTAINER}:ro",
             f"../configs:{CONFIGS_IN_CONTAINER}:ro",
@@ -105,8 +139,40 @@ def gateway_service(
         "stop_grace_period": f"{math.ceil(shutdown_grace) + GATEWAY_STOP_MARGIN_SECONDS}s",
     }
     engines = sorted([engine.service for engine in plan.engines] + [s.name for s in scaled])
-    if engines:
-        # Started, not healthy: the gateway health-checks its engines itself (/ready), so it and
-        # its metrics are up while an engine loads, and one engine that never loads stops nothing.
-        service["depends_on"] = {name: {"condition": "service_started"} for name in engines}
+    depends: dict[str, Any] = {}
+    if secrets is not None and secrets.redis_url_env:
+        # The quota store must answer before the gateway admits a tenant's first request.
+        depends[REDIS_SERVICE] = {"condition": "service_healthy"}
+    # Started, not healthy: the gateway health-checks its engines itself (/ready), so it and
+    # its metrics are up while an engine loads, and one engine that never loads stops nothing.
+    depends.update({name: {"condition": "service_started"} for name in engines})
+    if depends:
+        service["depends_on"] = dict(sorted(depends.items()))
     return service
+
+
+def _secret_environment(secrets: SecretSources | None) -> dict[str, str | None]:
+    """The gateway's variables from the host, by name only (None: passed on when the host sets it);
+    the Redis URL defaults to this file's `redis` service."""
+    if secrets is None:
+        return {"GATEWAY_API_KEYS": None}
+    env: dict[str, str | None] = {} if secrets.tenants else {"GATEWAY_API_KEYS": None}
+    env.update({name: None for name in [*secrets.optional, *secrets.variables]})
+    if secrets.redis_url_env:
+        env[secrets.redis_url_env] = f"${{{secrets.redis_url_env}:-{REDIS_URL}}}"
+    return env
+
+
+def redis_service() -> dict[str, Any]:
+    """The quota store of `quota_store.backend: redis`: one Redis, counters in memory only."""
+    return {
+        "image": REDIS_IMAGE,
+        "command": ["redis-server", "--save", "", "--appendonly", "no"],
+        "restart": "unless-stopped",
+        "healthcheck": {
+            "test": ["CMD", "redis-cli", "ping"],
+            "interval": "5s",
+            "timeout": "3s",
+            "retries": 10,
+        },
+    }

@@ -7,7 +7,10 @@ tensor x pipeline x local data parallel), or for an engine over several nodes a 
 of `nodes` pods a group (vLLM's own multi-node data parallel: `server.engine.render.node_flags`),
 and the gateway's models, each pointing at its engines' Service (for a LeaderWorkerSet, the
 group leaders') or at the URLs the config names. The operator's other gateway settings
-(timeouts, routing, auth, ...) go into the gateway's ConfigMap as written.
+(timeouts, routing, auth, ...) go into the gateway's ConfigMap as written, keys excepted
+(server.deploy.secrets): a config that writes keys is refused, a tenant's `api_keys_file` becomes
+the file of that name in the mounted `gateway.keysSecret`, and the header lists what that Secret
+must hold (the chart reads each variable the config names from it).
 
 `charts/values.gpu.yaml` is rendered from configs/gateway.gpu.yaml (`make helm-values`);
 `helm install llm charts/llm-serving -f charts/values.gpu.yaml` deploys it. The multi-node
@@ -39,13 +42,17 @@ from server.deploy.plan import (
     plan_deployment,
     slug,
 )
+from server.deploy.secrets import KEYS_IN_POD, LiteralKeys, SecretSources, secret_sources
 from server.engine.profiles import Profile
 from server.engine.render import KV_EVENTS_PORT, LWS_LEADER_ADDRESS, engine_argv, node_flags
+from server.gateway.settings import load_settings
 
 # Seconds an engine may take to answer /health after it starts: a model download and load.
 STARTUP_SECONDS = {device: int(period.removesuffix("m")) * 60 for device, period in START_PERIOD.items()}
 # The gateway's settings the chart sets itself (it listens on the pod's port; models are its engines).
 CHART_OWNED_KEYS = ("host", "port", "models")
+# The Secret the rendered values name when the config reads keys or secrets (create it before installing).
+KEYS_SECRET = "llm-serving-keys"
 
 
 class HelmError(ValueError):
@@ -137,14 +144,37 @@ def render_values(plan: DeploymentPlan, *, config: Path, shutdown_grace: float) 
     if not plan.models:
         raise HelmError("the config names no model to serve")
     settings = {key: value for key, value in read_mapping(config).items() if key not in CHART_OWNED_KEYS}
-    return {
-        "engines": engines,
-        "gateway": {
-            "shutdownGraceSeconds": math.ceil(shutdown_grace),
-            "config": settings,
-            "models": [gateway_model(model) for model in plan.models],
-        },
+    sources = _secret_sources(config)
+    if isinstance(settings.get("tenants"), list):
+        settings["tenants"] = [_tenant_in_pod(tenant) for tenant in settings["tenants"]]
+    gateway: dict[str, Any] = {
+        "shutdownGraceSeconds": math.ceil(shutdown_grace),
+        "config": settings,
+        "models": [gateway_model(model) for model in plan.models],
     }
+    if secret_keys(sources):
+        gateway["keysSecret"] = KEYS_SECRET
+    return {"engines": engines, "gateway": gateway}
+
+
+def _secret_sources(config: Path) -> SecretSources:
+    try:
+        return secret_sources(load_settings(config), config, "the chart's ConfigMap")
+    except LiteralKeys as exc:
+        raise HelmError(str(exc)) from None
+
+
+def _tenant_in_pod(tenant: Any) -> Any:
+    """A tenant's `api_keys_file` as the key of that file's name in the mounted keys Secret."""
+    if not isinstance(tenant, dict) or not isinstance(tenant.get("api_keys_file"), str):
+        return tenant
+    return {**tenant, "api_keys_file": f"{KEYS_IN_POD}/{Path(tenant['api_keys_file']).name}"}
+
+
+def secret_keys(sources: SecretSources) -> list[str]:
+    """The keys the keys Secret must hold: each variable (a Secret key of its name), each key file's name."""
+    keys = [*sources.variables, *([sources.redis_url_env] if sources.redis_url_env else [])]
+    return keys + [Path(f.path).name for f in sources.files]
 
 
 def render_file(models: Sequence[ModelEngines], *, config: Path, shutdown_grace: float) -> str:
@@ -152,6 +182,11 @@ def render_file(models: Sequence[ModelEngines], *, config: Path, shutdown_grace:
     plan = plan_deployment(models, config=config, placement="services")
     values = render_values(plan, config=config, shutdown_grace=shutdown_grace)
     header = files.header(config, make="make helm-values", command="helm-values")
+    if needed := secret_keys(_secret_sources(config)):
+        header += (
+            f"# The Secret {KEYS_SECRET} must hold: {', '.join(needed)} (and GATEWAY_ADMIN_KEYS for the admin "
+            f"API), e.g. kubectl create secret generic {KEYS_SECRET} --from-literal=NAME=KEYS --from-file=FILE.\n"
+        )
     gpus = sum(e["gpus"] * e["nodes"] * e["replicas"] for e in values["engines"])
     if gpus:
         header += f"# NVIDIA GPUs requested in the cluster: {gpus}.\n"

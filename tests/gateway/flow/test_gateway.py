@@ -210,3 +210,15 @@ def test_the_access_log_line_carries_class_and_wait_and_metrics_show_the_gate(en
         assert family in text, family
     assert gw.metric("gateway_flow_capacity", model="standin") == 2
     assert gw.metric("gateway_flow_virtual_tokens", tenant="planner") > 0
+
+
+async def test_the_engines_batch_is_never_overfilled_with_one_worker_or_two(engines, gateway):
+    """Each of N workers gates against its share, ceil(max-num-seqs / N): together never more
+    than the engine's batch (plus N-1), whichever worker the kernel gives each connection."""
+    [engine] = engines(1, ttft_ms=30.0, itl_ms=5.0, tokens=20)
+    gw = gateway(settings(engine.url, max_num_seqs=2))
+    async with httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        answers = await asyncio.gather(*(post(client, gw.url, "articles", f"r-{i}") for i in range(12)))
+    assert [a.status_code for a in answers] == [200] * 12
+    assert engine.stats()["finished"] == 12
+    assert engine.stats()["peak_running"] <= 2 + (gw.workers - 1), engine.stats()

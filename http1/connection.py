@@ -70,7 +70,9 @@ class Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
-        self.head_bytes = 0
+        self.head_bytes = 0  # the header lines' bytes, counted once count_head (data_received)
+        self.read_bytes = 0  # the bytes read while the head was due
+        self.count_head = False
         self.head_done = False
         self.body_done = False
         self.keep_alive = False
@@ -93,6 +95,13 @@ class Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.received = True
+        if not self.head_done:
+            # The head's header lines are counted (on_header) only once the reads of this head are
+            # over the cap: before that no header can be, and a header costs one Python call less.
+            self.read_bytes += len(data)
+            if self.read_bytes > self.max_head_bytes and not self.count_head:
+                self.count_head = True
+                self.head_bytes = sum(len(name) + len(value) for name, value in self.headers)
         clock = self.clock
         if clock is not None:
             self.arrived = clock()  # the arrival time of every chunk in this read
@@ -129,9 +138,10 @@ class Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.head_done:
             return  # a trailer after a chunked body, or a second answer: not this answer's headers
-        self.head_bytes += len(name) + len(value)
-        if self.head_bytes > self.max_head_bytes:
-            raise ProtocolError(f"the answer's header lines are over {self.max_head_bytes} bytes")
+        if self.count_head:  # only once the reads of this head are over the cap: see data_received
+            self.head_bytes += len(name) + len(value)
+            if self.head_bytes > self.max_head_bytes:
+                raise ProtocolError(f"the answer's header lines are over {self.max_head_bytes} bytes")
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:

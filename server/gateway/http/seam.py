@@ -18,7 +18,9 @@ server needs and uvicorn does not do by itself:
   the request sees a disconnect, as if the client had left);
 - a request's head: at most `max_head_bytes` in all (counted in `data_received` before httptools,
   which holds a header value whole, sees them: a 64 MB header is never held), `max_headers`
-  headers and `max_header_value_bytes` a value (`on_header`); past a cap, 431 and closed;
+  headers and `max_header_value_bytes` a value (checked once the head is complete, which the head
+  cap keeps to a bounded size; the values are looked at only when the head is longer than one
+  value may be); past a cap, 431 and closed;
 - connection slots (http.admission): at the `max_connections` cap an idle connection is let go
   for a newcomer (503 only when all are busy); per-address caps (429); the app marks a connection
   whose request passed the API key check (`mark_authenticated(send)`);
@@ -108,7 +110,6 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     _disconnect_watch: tuple[Any, Callable[[], None]] | None = None
     _slot: Slot | None = None  # the connection's slot (http.admission), once admitted
     _head_bytes = 0  # bytes received while a request's head is due, since the last complete head
-    _refusal: GatewayError | None = None  # a header over its cap: answered instead of the app
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -198,39 +199,43 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if self._stage is None:  # a keep-alive connection's next request: its headers are due too
             self._expect("headers", self.limits.header_timeout)
 
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if self._refusal is not None:
-            return
-        limits = self.limits
-        if len(value) > limits.max_header_value_bytes:
-            self._refusal = HeaderFieldsTooLarge(
-                f"The request header {echo(name.decode('latin-1'))!r} is longer than the gateway's limit of "
-                f"{limits.max_header_value_bytes} bytes a value (limits.max_header_value_bytes)."
-            )
-        elif len(self.headers) >= limits.max_headers:
-            self._refusal = HeaderFieldsTooLarge(
-                f"The request has more than {limits.max_headers} headers, the gateway's limit "
-                "(limits.max_request_headers)."
-            )
-        else:
-            super().on_header(name, value)
-
     def on_headers_complete(self) -> None:
+        limits = self.limits
+        head_bytes = self._head_bytes
         self._stage = None
         self._head_bytes = 0
         if self._slot is not None:
-            self.limits.admission.busy(self._slot)
-        refusal = self._refusal
-        if refusal is None:
-            super().on_headers_complete()
-        else:  # uvicorn runs the request as usual (its body is read and dropped), the refusal as its app
-            self._refusal = None
-            app, self.app = self.app, _Refuse(refusal)
-            try:
-                super().on_headers_complete()
-            finally:
-                self.app = app
-        self._expect("body", self.limits.body_timeout)
+            limits.admission.busy(self._slot)
+        # The caps on the head's lines, once per head instead of once per header (uvicorn's own
+        # on_header stays the only Python call per header): a value can be over its cap only in
+        # a head longer than the cap (`head_bytes` counts every byte read since the last head).
+        if len(self.headers) > limits.max_headers or head_bytes > limits.max_header_value_bytes:
+            refusal = self._head_refusal(limits)
+            if refusal is not None:  # the request runs as usual (its body read, dropped), the refusal as its app
+                app, self.app = self.app, _Refuse(refusal)
+                try:
+                    super().on_headers_complete()
+                finally:
+                    self.app = app
+                self._expect("body", limits.body_timeout)
+                return
+        super().on_headers_complete()
+        self._expect("body", limits.body_timeout)
+
+    def _head_refusal(self, limits: ConnectionLimits) -> GatewayError | None:
+        """431 for a value longer than `max_header_value_bytes` or more than `max_headers` headers."""
+        for name, value in self.headers:
+            if len(value) > limits.max_header_value_bytes:
+                return HeaderFieldsTooLarge(
+                    f"The request header {echo(name.decode('latin-1'))!r} is longer than the gateway's limit of "
+                    f"{limits.max_header_value_bytes} bytes a value (limits.max_header_value_bytes)."
+                )
+        if len(self.headers) > limits.max_headers:
+            return HeaderFieldsTooLarge(
+                f"The request has more than {limits.max_headers} headers, the gateway's limit "
+                "(limits.max_request_headers)."
+            )
+        return None
 
     def on_message_complete(self) -> None:
         self._stage = None
@@ -288,8 +293,10 @@ class _Refuse:
 
 def _protocol_of(send: Any) -> GatewayHttpProtocol | None:
     """The GatewayHttpProtocol connection of the request `send` (uvicorn's) answers, or None."""
-    get_protocol = getattr(getattr(getattr(send, "__self__", None), "transport", None), "get_protocol", None)
-    protocol = get_protocol() if get_protocol is not None else None
+    try:
+        protocol = send.__self__.transport.get_protocol()
+    except AttributeError:  # not uvicorn's `send`, or a cycle without its transport
+        return None
     return protocol if isinstance(protocol, GatewayHttpProtocol) else None
 
 

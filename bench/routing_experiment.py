@@ -14,9 +14,17 @@ the gateway is stopped. The policies:
 - `today`: the gateway's default before cache-aware routing: least outstanding after a prefix-key
   affinity (rendezvous hashing of the prompt's first 1,024 characters).
 - `approximate`, `precise`: `cache_aware` with the approximate or the precise (KV events) index.
+- `router_cache_aware`, `router_kv_aware`: no gateway; vllm-router (the Rust router of the vLLM
+  project, installed beside the gateway) with `--policy cache_aware` (its approximate tree and
+  load thresholds, defaults) or `--policy kv_aware` (fed by the engines' own KV events,
+  `--kv-event-source`, block size 128), in front of the same replicas.
 - `oracle`: no gateway. The load tester sends tenant t straight to replica t mod 2: the tenants
   split evenly, every conversation of a tenant on one replica.
 - `--weights balance=0` and the like add a `precise` run with those scorer weights.
+
+Every policy runs on every workload of `--workloads` (bench.routing_workloads: `tenants`, the
+experiment's own, and `hot-prefix`, issue 34's: 24 tenants opening with the same house rules,
+single-turn questions, shuffled, two at a time), workload after workload within a round.
 
 Per policy: the cached share of prompt tokens (usage.prompt_tokens_details.cached_tokens summed
 over prompt tokens), cross-checked with the engines' vllm:prefix_cache_hits_total /
@@ -53,13 +61,15 @@ import httpx
 import yaml
 
 from bench.procs import PYTHON, Processes, Started, commit_of, free_port, gateway_code
+from bench.routing_workloads import WORKLOADS, WorkloadSpec, ordered_sessions
 from loadtest.client import ChatClient, make_http_client
 from loadtest.metrics import percentile
 from loadtest.records import RequestRecord
 from loadtest.scenarios import Session
-from loadtest.tenants import Workload, sessions, tenant_of
+from loadtest.tenants import Workload, tenant_of
 from server.config import read_mapping
 from server.deploy.plan import DeploymentPlan, plan_deployment
+from server.engine.render import local_kv_events_port
 from server.engine.supervisor import EngineSupervisor, prepare
 from server.gateway.replicas.scoring import Weights
 from server.gateway.settings import load_settings
@@ -75,9 +85,15 @@ POLICIES: dict[str, dict[str, Any] | None] = {
     "today": {"policy": "least_outstanding", "prefix_affinity": True, "prefix_chars": 1024},
     "approximate": {"policy": "cache_aware", "prefix_index": "approximate"},
     "precise": {"policy": "cache_aware", "prefix_index": "precise"},
+    "router_cache_aware": None,
+    "router_kv_aware": None,
     ORACLE: None,
 }
 CACHE_AWARE = ("approximate", "precise")
+ROUTERS = {"router_cache_aware": "cache_aware", "router_kv_aware": "kv_aware"}  # phase -> vllm-router --policy
+DEFAULT_POLICIES = ("round_robin", "approximate", "precise", "router_cache_aware", "router_kv_aware", ORACLE)
+VLLM_ROUTER = str(Path(PYTHON).with_name("vllm-router"))
+KV_EVENT_BLOCK_SIZE = 128  # the routing profile's block size
 
 log = logging.getLogger("routing_experiment")
 
@@ -212,6 +228,38 @@ async def stop_gateway(processes: Processes, started: Started) -> None:
     await asyncio.to_thread(processes.stop, started, 30.0)
 
 
+def router_argv(policy: str, port: int, engines: list[str], model_path: str | None = None) -> list[str]:
+    """vllm-router with `policy` in front of `engines`; kv_aware subscribes to their KV events."""
+    argv = [
+        VLLM_ROUTER, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *engines, "--policy", policy,
+        "--log-level", "warning", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+    ]  # fmt: skip
+    if policy == "kv_aware":
+        for url in engines:
+            events = local_kv_events_port(int(url.rsplit(":", 1)[1]))
+            argv += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{events}"]
+        argv += ["--kv-event-block-size", str(KV_EVENT_BLOCK_SIZE)]
+        if model_path is not None:  # the model identity its static event sources require, and its tokenizer
+            argv += ["--kv-event-model", model_path]
+    return argv
+
+
+async def wait_router(started: Started, url: str, *, timeout: float) -> None:
+    """Until vllm-router lists the model (it has checked its workers); no chat request, which would
+    leave blocks in a cache that was just emptied."""
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=5, trust_env=False) as client:
+        while time.monotonic() < deadline:
+            if started.process.poll() is not None:
+                raise RuntimeError(f"vllm-router exited with {started.process.returncode}:\n{started.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                response = await client.get(f"{url}/v1/models")
+                if response.status_code == 200 and response.json().get("data"):
+                    return
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"vllm-router was not ready within {timeout:.0f} s:\n{started.log_tail()}")
+
+
 # -- engine metrics ----------------------------------------------------------------------------
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
@@ -300,6 +348,7 @@ class PhaseResult:
     label: str
     base: str
     round: int
+    workload: str = "tenants"
     requests: int = 0
     failed: int = 0
     errors: list[str] = field(default_factory=list)
@@ -353,25 +402,38 @@ def routing_counts(log: Path) -> tuple[dict[str, int], dict[str, int]]:
 
 async def run_phase(
     phase: Phase, round_: int, *, args: argparse.Namespace, config: Path, workdir: Path, processes: Processes,
-    engines: list[str], model: str, conversations: list[Session], code: Path,
+    engines: list[str], model: str, conversations: list[Session], code: Path, workload: str = "tenants",
+    concurrency: int = 4,
 ) -> PhaseResult:  # fmt: skip
-    label = f"{phase.label} (round {round_})"
-    result = PhaseResult(phase.label, phase.base, round_)
+    label = f"{workload}: {phase.label} (round {round_})"
+    result = PhaseResult(phase.label, phase.base, round_, workload=workload)
     async with httpx.AsyncClient(timeout=30, trust_env=False) as admin:
         await reset_prefix_caches(admin, engines)
         before = {url: await engine_counters(admin, url) for url in engines}
         gateway: Started | None = None
         tenants = sorted({tenant_of(s) for s in conversations})
         try:
-            if phase.routing is None:
+            if phase.base in ROUTERS:
+                port = free_port()
+                model_path = getattr(args, "model_path", None)
+                gateway = processes.start(
+                    f"vllm-router-{_slug(workload)}-{_slug(phase.label)}-{round_}",
+                    router_argv(ROUTERS[phase.base], port, engines, model_path), core=None,
+                    env={"VLLM_ROUTER_TOKENIZER": model_path} if model_path else None,
+                )  # fmt: skip
+                url = f"http://127.0.0.1:{port}"
+                await wait_router(gateway, url, timeout=120)
+                route = dict.fromkeys(tenants, url)
+            elif phase.routing is None:
                 route = {t: engines[t % len(engines)] for t in tenants}
             else:
                 port = free_port()
                 path = derived_config(
-                    config, workdir, f"{_slug(phase.label)}-{round_}", phase.routing, port=port, host="127.0.0.1"
-                )
+                    config, workdir, f"{_slug(workload)}-{_slug(phase.label)}-{round_}", phase.routing, port=port,
+                    host="127.0.0.1",
+                )  # fmt: skip
                 gateway = processes.start(
-                    f"gateway-{_slug(phase.label)}-{round_}",
+                    f"gateway-{_slug(workload)}-{_slug(phase.label)}-{round_}",
                     [PYTHON, "-P", "-m", "server", "serve", "--config", str(path)],
                     core=None, env={"PYTHONPATH": str(code)},
                 )  # fmt: skip
@@ -382,7 +444,7 @@ async def run_phase(
             say(f"{label}: sending {sum(len(s.turns) for s in conversations)} requests")
             started = time.perf_counter()
             records = await send_workload(
-                conversations, route, model=model, concurrency=args.concurrency, timeout=args.timeout, label=phase.label
+                conversations, route, model=model, concurrency=concurrency, timeout=args.timeout, label=label
             )
             result.seconds = time.perf_counter() - started
         finally:
@@ -400,7 +462,7 @@ async def run_phase(
     result.engine_hits = sum(after[u]["hits"] - before[u]["hits"] for u in engines)
     result.engine_queries = sum(after[u]["queries"] - before[u]["queries"] for u in engines)
     result.split = {u: round(after[u]["requests"] - before[u]["requests"]) for u in engines}
-    if gateway is not None:
+    if gateway is not None and phase.base not in ROUTERS:
         result.reasons, result.sources = routing_counts(gateway.log)
     say(
         f"{label}: cached share {result.cached_share:.3f} (engines {result.engine_share:.3f}), "
@@ -417,55 +479,131 @@ def _slug(text: str) -> str:
 # -- the report --------------------------------------------------------------------------------
 
 
+def hit_share(result: PhaseResult) -> float:
+    """The engines' own prefix-cache hits over queries (tokens), else the answers' cached_tokens."""
+    share = result.engine_share
+    return share if share == share else result.cached_share  # NaN: no counters
+
+
 def judge(results: list[PhaseResult]) -> dict[str, dict[str, Any]]:
-    """Per round and cache-aware phase, the issue's goals against that round's baselines."""
+    """Per workload, round and cache-aware phase, issue 34's goals against that round's baselines:
+    hit share >= the best vllm-router policy's and >= 0.9x the oracle's, requests per replica
+    within 1.5x, TTFT p90 no worse than round robin's."""
     out: dict[str, dict[str, Any]] = {}
-    for round_ in sorted({r.round for r in results}):
-        by = {r.label: r for r in results if r.round == round_}
-        oracle, rr, today = by.get(ORACLE), by.get("round_robin"), by.get("today")
+    for workload, round_ in sorted({(r.workload, r.round) for r in results}):
+        by = {r.label: r for r in results if r.round == round_ and r.workload == workload}
+        oracle, rr = by.get(ORACLE), by.get("round_robin")
+        routers = [r for r in by.values() if r.base in ROUTERS]
+        best_router = max(routers, key=hit_share, default=None)
         for result in by.values():
             if result.base not in CACHE_AWARE:
                 continue
-            goals: dict[str, Any] = {"imbalance_at_most_1.5": result.imbalance <= 1.5}
+            share = hit_share(result)
+            goals: dict[str, Any] = {"hit_share": share, "imbalance": result.imbalance}
+            goals["imbalance_at_most_1.5"] = result.imbalance <= 1.5
             if oracle is not None:
-                goals["share_vs_oracle"] = result.cached_share / oracle.cached_share
-                goals["share_within_10pct_of_oracle"] = result.cached_share >= 0.9 * oracle.cached_share
-            for name, base in (("round_robin", rr), ("today", today)):
-                if base is not None:
-                    goals[f"share_above_{name}"] = result.cached_share > base.cached_share
-                    goals[f"ttft_p90_below_{name}"] = result.ttft_p90_s < base.ttft_p90_s
-            out[f"{result.label} (round {round_})"] = goals
+                goals["share_vs_oracle"] = share / hit_share(oracle)
+                goals["share_at_least_0.9_oracle"] = share >= 0.9 * hit_share(oracle)
+            if best_router is not None:
+                goals["best_router"] = best_router.label
+                goals["share_vs_best_router"] = share / hit_share(best_router)
+                goals["share_at_least_best_router"] = share >= hit_share(best_router)
+            if rr is not None:
+                goals["ttft_p90_vs_round_robin"] = result.ttft_p90_s / rr.ttft_p90_s
+                goals["ttft_p90_no_worse_than_round_robin"] = result.ttft_p90_s <= rr.ttft_p90_s
+                goals["share_above_round_robin"] = share > hit_share(rr)
+            out[f"{workload}: {result.label} (round {round_})"] = goals
     return out
 
 
+def _median(values: list[float]) -> float:
+    ordered = sorted(v for v in values if v == v)
+    if not ordered:
+        return float("nan")
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def medians(results: list[PhaseResult]) -> list[dict[str, Any]]:
+    """Per workload and policy, over every round: median and range of each figure."""
+    out = []
+    for workload, label in dict.fromkeys((r.workload, r.label) for r in results):
+        runs = [r for r in results if r.workload == workload and r.label == label]
+        row: dict[str, Any] = {"workload": workload, "label": label, "runs": len(runs)}
+        for name, values in (
+            ("hit_share", [hit_share(r) for r in runs]),
+            ("ttft_p50_ms", [r.ttft_p50_s * 1000 for r in runs]),
+            ("ttft_p90_ms", [r.ttft_p90_s * 1000 for r in runs]),
+            ("imbalance", [r.imbalance for r in runs]),
+        ):
+            finite = [v for v in values if v == v]
+            row[name] = {"median": _median(values), "min": min(finite, default=float("nan")),
+                         "max": max(finite, default=float("nan")), "each": values}  # fmt: skip
+        row["splits"] = [list(r.split.values()) for r in runs]
+        row["failed"] = sum(r.failed for r in runs)
+        out.append(row)
+    return out
+
+
+def _figure(cell: dict[str, Any], digits: int) -> str:
+    return f"{cell['median']:.{digits}f} ({cell['min']:.{digits}f}-{cell['max']:.{digits}f})"
+
+
 def report_markdown(results: list[PhaseResult], meta: dict[str, Any], goals: dict[str, dict[str, Any]]) -> str:
+    workloads = meta.get("workloads") or {}
     lines = [
-        "# Cache-aware routing: two tiny replicas, one gateway, a multi-tenant workload",
+        "# Cache-aware routing: two tiny replicas, the gateway and vllm-router, multi-tenant workloads",
         "",
         f"Run {meta['started']} on {meta['host']} ({meta['cpus']} CPUs; load average before: {meta['load_before']}, "
         f"after: {meta['load_after']}).",
         "",
         f"Command: `{meta['command']}` (gateway code: {meta['gateway_code']})",
         "",
-        f"Workload: {meta['workload']}; {meta['requests_per_phase']} requests per policy, "
-        f"{meta['concurrency']} conversations at a time, temperature 0, the gateway's trimming {meta['trimming']}.",
-        f"Engines: {meta['engines']} ({meta['profile']})"
+    ]
+    for name, spec in workloads.items():
+        lines.append(
+            f"- Workload `{name}`: {spec['workload']}; {spec['requests']} requests per policy, {spec['concurrency']} "
+            f"at a time{', shuffled' if spec['shuffle'] else ''}."
+        )
+    lines += [
+        f"- Temperature 0, the gateway's trimming {meta['trimming']}. Engines: {meta['engines']} ({meta['profile']})"
         + ("; replica i pinned to core i." if meta.get("engines_pinned") else "."),
+        "- Hit share: the engines' own `vllm:prefix_cache_hits_total / queries_total` deltas (tokens); "
+        "`cached_tokens` is the answers' `usage.prompt_tokens_details.cached_tokens` over prompt tokens.",
         "",
-        "| round | policy | requests (failed) | cached share (cached_tokens) | engines' hits/queries | "
+        "## Median (range) over every round",
+        "",
+        "| workload | policy | rounds | hit share | TTFT p50 ms | TTFT p90 ms | requests per replica | failed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in medians(results):
+        splits = ", ".join(" / ".join(str(v) for v in split) for split in row["splits"])
+        lines.append(
+            f"| {row['workload']} | {row['label']} | {row['runs']} | {_figure(row['hit_share'], 3)} | "
+            f"{_figure(row['ttft_p50_ms'], 0)} | {_figure(row['ttft_p90_ms'], 0)} | {splits} | {row['failed']} |"
+        )
+    lines += [
+        "",
+        "## Every phase",
+        "",
+        "| workload | round | policy | requests (failed) | hit share (engines) | cached_tokens share | "
         "TTFT p50 ms | TTFT p90 ms | split | routing reasons | s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(r.reasons.items(), key=lambda kv: -kv[1])) or "-"
         lines.append(
-            f"| {r.round} | {r.label} | {r.requests} ({r.failed}) | {r.cached_share:.3f} | {r.engine_share:.3f} | "
-            f"{r.ttft_p50_s * 1000:.0f} | {r.ttft_p90_s * 1000:.0f} | {' / '.join(str(v) for v in r.split.values())} | "
-            f"{reasons} | {r.seconds:.0f} |"
+            f"| {r.workload} | {r.round} | {r.label} | {r.requests} ({r.failed}) | {r.engine_share:.3f} | "
+            f"{r.cached_share:.3f} | {r.ttft_p50_s * 1000:.0f} | {r.ttft_p90_s * 1000:.0f} | "
+            f"{' / '.join(str(v) for v in r.split.values())} | {reasons} | {r.seconds:.0f} |"
         )
-    lines += ["", "## Goals (per round, against that round's oracle, round robin and today's policy)", ""]
+    lines += ["", "## Goals (per workload and round, against that round's oracle, vllm-router and round robin)", ""]
     for name, checks in goals.items():
-        parts = [f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {'yes' if v else 'NO'}" for k, v in checks.items()]
+        parts = [
+            f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {'yes' if v else 'NO'}" if isinstance(v, bool)
+            else f"{k}: {v}"
+            for k, v in checks.items()
+        ]  # fmt: skip
         lines.append(f"- {name}: " + "; ".join(parts))
     return "\n".join(lines) + "\n"
 
@@ -482,8 +620,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--base-port", type=int, default=None, help="first engine port (default: the config's)")
     parser.add_argument(
         "--policies",
-        default=",".join(POLICIES),
-        help=f"comma-separated, in order (default and choices: {','.join(POLICIES)})",
+        default=",".join(DEFAULT_POLICIES),
+        help=f"comma-separated, in order (default: {','.join(DEFAULT_POLICIES)}; choices: {','.join(POLICIES)})",
+    )
+    parser.add_argument(
+        "--workloads",
+        default="tenants,hot-prefix",
+        help=f"comma-separated, in order, each with every policy ({', '.join(WORKLOADS)}, or `custom`: the "
+        "workload options below, --concurrency at a time, in the order loadtest.tenants gives)",
     )
     parser.add_argument(
         "--weights", type=parse_weights, action="append", default=[], metavar="NAME=N[,NAME=N]",
@@ -491,7 +635,12 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("--weights-index", choices=CACHE_AWARE, default="precise", help="index of the --weights runs")
     parser.add_argument("--rounds", type=int, default=1, help="repeat every policy this many times (same engines)")
-    parser.add_argument("--concurrency", type=int, default=4, help="conversations in flight")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="conversations in flight (default: each workload's own; custom: 4)",
+    )
     parser.add_argument(
         "--pin-engines",
         action="store_true",
@@ -518,7 +667,7 @@ def build_parser() -> argparse.ArgumentParser:
         "loadtest/results/cache-aware-routing/, named by the start time and the gateway's commit); "
         "a folder that already holds a run is refused",
     )
-    group = parser.add_argument_group("workload (loadtest.tenants)")
+    group = parser.add_argument_group("the `custom` workload (loadtest.tenants)")
     defaults = Workload()
     group.add_argument("--tenants", type=int, default=defaults.tenants)
     group.add_argument("--family-size", type=int, default=defaults.family_size, help="tenants sharing a preamble")
@@ -537,17 +686,30 @@ async def experiment(args: argparse.Namespace, argv: list[str]) -> int:
     if unknown:
         say(f"error: unknown policies {unknown} (choose from {', '.join(POLICIES)})")
         return 2
-    workload = Workload(
-        tenants=args.tenants, family_size=args.family_size, shared_chars=args.shared_chars,
-        system_chars=args.system_chars, conversations=args.conversations, turns=args.turns,
-        max_tokens=args.max_tokens, seed=args.seed,
-    )  # fmt: skip
+    specs: dict[str, WorkloadSpec] = {}
+    for name in filter(None, (w.strip() for w in args.workloads.split(","))):
+        if name == "custom":
+            custom = Workload(
+                tenants=args.tenants, family_size=args.family_size, shared_chars=args.shared_chars,
+                system_chars=args.system_chars, conversations=args.conversations, turns=args.turns,
+                max_tokens=args.max_tokens, seed=args.seed,
+            )  # fmt: skip
+            specs[name] = WorkloadSpec(name, custom, args.concurrency or 4, shuffle=False)
+        elif name in WORKLOADS:
+            spec = WORKLOADS[name]
+            specs[name] = WorkloadSpec(name, spec.workload, args.concurrency or spec.concurrency, spec.shuffle)
+        else:
+            say(f"error: unknown workload {name!r} (choose from {', '.join(WORKLOADS)}, custom)")
+            return 2
+    if not specs:
+        say("error: no workload given")
+        return 2
     output = run_folder(args.output, args.code)
     if output is None:
         say(f"error: {args.output} already holds a run; give a new --output (a run never writes over an old one)")
         return 2
     args.output = output
-    conversations = sessions(workload)
+    conversations = {name: ordered_sessions(spec) for name, spec in specs.items()}
     todo = phases(policies, args.weights, args.weights_index)
     workdir = Path(tempfile.mkdtemp(prefix="routing-experiment-"))
     say(f"logs and derived configs in {workdir}")
@@ -561,15 +723,24 @@ async def experiment(args: argparse.Namespace, argv: list[str]) -> int:
         say(f"error: {args.config} must serve one model with at least two replicas")
         return 2
     model, engines = served[0].name, served[0].urls
+    profile = plan.models[0].profile
+    path = profile.model_path if profile is not None else None
+    args.model_path = str(path) if path is not None else None  # vllm-router kv_aware's model identity
     meta: dict[str, Any] = {
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "load_before": " ".join(f"{v:.2f}" for v in os.getloadavg()),
         "command": shlex.join(["python", "-m", "bench.routing_experiment", *argv]),
-        "workload": workload.__dict__,
-        "requests_per_phase": workload.requests,
-        "concurrency": args.concurrency,
+        "workloads": {
+            name: {
+                "workload": spec.workload.__dict__,
+                "requests": spec.workload.requests,
+                "concurrency": spec.concurrency,
+                "shuffle": spec.shuffle,
+            }
+            for name, spec in specs.items()
+        },  # fmt: skip
         "trimming": args.trimming,
         "engines_pinned": args.pin_engines,
         "engines": engines,
@@ -582,7 +753,7 @@ async def experiment(args: argparse.Namespace, argv: list[str]) -> int:
     say(f"engine output: {workdir / 'engines.log'}")
     results: list[PhaseResult] = []
     with engine_output(workdir / "engines.log"):
-        await run_all(args, todo, plan, config, workdir, engines, model, conversations, results, meta)
+        await run_all(args, todo, plan, config, workdir, engines, model, specs, conversations, results, meta)
     meta["load_after"] = " ".join(f"{v:.2f}" for v in os.getloadavg())
     write_results(args.output, results, meta)
     say(f"wrote {args.output}/report.md and summary.json")
@@ -613,7 +784,8 @@ def engine_output(path: Path) -> Iterator[None]:
 
 async def run_all(
     args: argparse.Namespace, todo: list[Phase], plan: DeploymentPlan, config: Path, workdir: Path,
-    engines: list[str], model: str, conversations: list[Session], results: list[PhaseResult], meta: dict[str, Any],
+    engines: list[str], model: str, specs: dict[str, WorkloadSpec], conversations: dict[str, list[Session]],
+    results: list[PhaseResult], meta: dict[str, Any],
 ) -> None:  # fmt: skip
     """Start the engines, run every phase of every round, stop the engines (on any exit)."""
     code = gateway_code(workdir, args.code)
@@ -621,22 +793,25 @@ async def run_all(
     try:
         with Processes(workdir) as processes:
             for round_ in range(1, args.rounds + 1):
-                for phase in todo:
-                    results.append(
-                        await run_phase(
-                            phase,
-                            round_,
-                            args=args,
-                            config=config,
-                            workdir=workdir,
-                            processes=processes,
-                            engines=engines,
-                            model=model,
-                            conversations=conversations,
-                            code=code,
-                        )  # fmt: skip
-                    )
-                    write_results(args.output, results, meta)  # a partial run still leaves its figures
+                for name, spec in specs.items():
+                    for phase in todo:
+                        results.append(
+                            await run_phase(
+                                phase,
+                                round_,
+                                args=args,
+                                config=config,
+                                workdir=workdir,
+                                processes=processes,
+                                engines=engines,
+                                model=model,
+                                conversations=conversations[name],
+                                code=code,
+                                workload=name,
+                                concurrency=spec.concurrency,
+                            )  # fmt: skip
+                        )
+                        write_results(args.output, results, meta)  # a partial run still leaves its figures
     finally:
         await stop_engines(supervisors)
 
@@ -645,7 +820,7 @@ def write_results(output: Path, results: list[PhaseResult], meta: dict[str, Any]
     meta = {"load_after": "(running)", **meta}
     goals = judge(results)
     output.mkdir(parents=True, exist_ok=True)
-    summary = {"meta": meta, "results": [r.to_json() for r in results], "goals": goals}
+    summary = {"meta": meta, "results": [r.to_json() for r in results], "medians": medians(results), "goals": goals}
     (output / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     (output / "report.md").write_text(report_markdown(results, meta, goals))
     (output / "command.txt").write_text(meta["command"] + "\n")

@@ -28,6 +28,7 @@ examples:
   python -m server serve --upstream tiny=http://127.0.0.1:8100
   python -m server serve --config configs/gateway.gpu.yaml --workers auto   # one process per core
   python -m server helm-values --config configs/gateway.gpu.yaml   # values for charts/llm-serving
+  python -m server tenants --config configs/gateway.yaml --url http://127.0.0.1:8000   # keys, limits, usage
 """
 
 Run = Callable[[argparse.Namespace], int]
@@ -110,6 +111,25 @@ def helm_values(config: Path, *, output: Path | None, check: bool) -> int:
     return helm.helm_values(
         settings.models, config=config, shutdown_grace=settings.limits.shutdown_grace, output=output, check=check
     )
+
+
+def tenants(config: Path, *, url: str | None, admin_key_env: str | None, since: str | None, as_json: bool) -> int:
+    from server.deploy.tenants_report import tenants_command
+
+    return tenants_command(config, url=url, admin_key_env=admin_key_env, since=since, as_json=as_json)
+
+
+TENANTS_EPILOG = """\
+Keys are shown as fingerprints (sha256: and 12 hex digits of the key's SHA-256; match one with
+`printf %s KEY | sha256sum`), never themselves. With --url the usage comes from the gateway's
+GET /admin/usage, with an admin key taken from $GATEWAY_ADMIN_KEYS (the config's
+auth.admin_keys_env) or the variable --admin-key-env names: never a key on the command line.
+
+examples:
+  python -m server tenants --config configs/gateway.yaml
+  GATEWAY_ADMIN_KEYS=sk-admin-... python -m server tenants --url http://127.0.0.1:8000 --since 2026-12-02T00:00
+  python -m server tenants --url http://gateway:8000 --admin-key-env OPS_ADMIN_KEY --json
+"""
 
 
 def add_gateway_options(p: argparse.ArgumentParser) -> None:
@@ -250,6 +270,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="configs/gateway.gpu.yaml")
     p.add_argument("--output", default=None, help="write here instead of stdout")
     p.add_argument("--check", action="store_true", help="exit 1 if --output differs from a fresh rendering")
+
+    p = command(
+        "tenants",
+        lambda a: tenants(Path(a.config), url=a.url, admin_key_env=a.admin_key_env, since=a.since, as_json=a.json),
+        "List a config's tenants: keys' fingerprints, limits, and live usage from a running gateway (--url).",
+    )
+    p.epilog = TENANTS_EPILOG
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("--config", default="configs/gateway.yaml", help="gateway config file (default: %(default)s)")
+    p.add_argument("--url", default=None, help="a running gateway, e.g. http://127.0.0.1:8000: show its usage too")
+    p.add_argument(
+        "--admin-key-env",
+        default=None,
+        metavar="VAR",
+        help="the variable holding an admin key for --url (default: the config's auth.admin_keys_env, "
+        "GATEWAY_ADMIN_KEYS)",
+    )
+    p.add_argument(
+        "--since", default=None, metavar="T", help="usage since T: epoch seconds or ISO 8601 (UTC without an offset)"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 

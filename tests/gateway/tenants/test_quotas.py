@@ -1,8 +1,8 @@
 """Quotas through a real gateway over sockets: OpenAI's rate-limit headers on every answer, 429
 with Retry-After, tokens settled from usage, concurrency, and the OpenAI SDK's own retry.
 
-The counters are per gateway process (with `--workers 2` each worker has its own, as the docs
-say), so these tests run with one worker: which worker a request meets would decide its fate."""
+Each runs with one worker and with `--workers 2` (the `gateway` fixture): the workers share one
+set of counters (tenants.counters_host; test_quota_shared.py has the exact counts across them)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import pytest
 from tests.gateway.conftest import chat_body, fast_settings
 from tests.support import wait_for
 
-PER_PROCESS = "quota counters are per gateway process (shared counters are a later step)"
 LIMITED, OPEN = "sk-limited", "sk-open"
 
 
@@ -36,7 +35,6 @@ def post(url: str, key: str, body: dict | bytes) -> httpx.Response:
     return httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=30, **kwargs)
 
 
-@pytest.mark.one_process(PER_PROCESS)
 def test_every_answer_carries_the_rate_limit_headers_and_over_quota_is_429_with_retry_after(engines, gateway):
     [engine] = engines(1)
     gw = gateway(settings(engine.url, requests_per_minute=2, tokens_per_minute=100_000))
@@ -65,7 +63,7 @@ def test_every_answer_carries_the_rate_limit_headers_and_over_quota_is_429_with_
     assert not [h for h in unlimited.headers if h.startswith("x-ratelimit")]
 
 
-@pytest.mark.one_process(PER_PROCESS)
+@pytest.mark.one_process("settled just after the answer: the next request on another worker may come first")
 def test_tokens_are_reserved_from_max_tokens_and_settled_from_the_usage(engines, gateway):
     [engine] = engines(1, tokens=6)
     limit, window = 1000, 3600.0  # refills 1000 / 3600 tokens a second: the test bounds what it adds
@@ -95,7 +93,6 @@ def test_tokens_are_reserved_from_max_tokens_and_settled_from_the_usage(engines,
     assert "retry-after" not in too_big.headers  # waiting would not help
 
 
-@pytest.mark.one_process(PER_PROCESS)
 def test_concurrent_requests_over_the_limit_are_429_until_one_ends(engines, gateway):
     [engine] = engines(1)
     gw = gateway(settings(engine.url, max_concurrent=1))
@@ -111,7 +108,6 @@ def test_concurrent_requests_over_the_limit_are_429_until_one_ends(engines, gate
     assert post(gw.url, LIMITED, chat_body()).status_code == 200
 
 
-@pytest.mark.one_process(PER_PROCESS)
 def test_the_openai_sdk_retries_after_the_reset_and_succeeds(engines, gateway):
     [engine] = engines(1)
     gw = gateway(settings(engine.url, requests_per_minute=1, window_seconds=3.0))

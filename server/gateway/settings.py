@@ -191,6 +191,9 @@ class Flow(_Strict):
     )  # seconds at the gate, then 429 (capped below timeouts.first_byte, which the wait counts toward)
     max_queued: dict[PriorityClass, int] = Field(default_factory=lambda: _per_class(1024, 1024, 1024))
     max_queued_total: int = Field(default=2048, ge=1)  # beyond it a higher class displaces the lowest
+    # Share of each model's capacity batch requests leave free for the classes above (at least one
+    # slot when above 0): vLLM preempts only for KV space, never for a full batch of sequences.
+    batch_headroom: float = Field(default=0.0625, ge=0, lt=1)
     # vLLM's `priority` field from the class: None: when the profile sets scheduling-policy: priority.
     set_priority: bool | None = None
     expected_output_tokens: int = Field(default=256, ge=0)  # reserved when a request names no max_tokens

@@ -2,7 +2,8 @@
 
 A stream is relayed chunk by chunk (bounded by flow control); an answer the gateway reads whole
 (non-streamed generation, embeddings, errors, an admin fan-out) is bounded here by
-`limits.max_answer_bytes`: one announced larger is refused before a byte of it is read, one that
+`limits.max_answer_bytes`: one announced larger is refused once its first read is in (an answer
+that arrives in one read, the common case, is taken without looking at its headers), one that
 grows past the cap is cut there. Either way the client gets 502 `engine_answer_too_large`, the
 engine's connection is closed (not pooled: the rest of the answer is still on it) and memory stays
 under about twice the cap (the pieces, then the joined copy).
@@ -30,14 +31,25 @@ async def read_bounded(response: UpstreamResponse, limit: int, engine: str) -> b
     """The whole body of `response`, or AnswerTooLarge past `limit` bytes (announced or counted).
 
     Raises what `response.read_chunk()` raises for a broken answer."""
-    length = next((value for name, value in response.headers if name.lower() == b"content-length"), None)
-    if length is not None and length.strip().isdigit() and int(length) > limit:
+    first = await response.read_chunk()
+    if len(first) > limit:
         raise AnswerTooLarge(engine, limit)
-    parts: list[bytes] = []
-    size = 0
-    while chunk := await response.read_chunk():
+    if not first:
+        return first
+    chunk = await response.read_chunk()
+    if not chunk:
+        return first  # the whole answer in one read: no headers to look at
+    for name, value in response.headers:  # more is coming: how much does the engine say?
+        if name.lower() == b"content-length":
+            if value.strip().isdigit() and int(value) > limit:
+                raise AnswerTooLarge(engine, limit)
+            break
+    parts = [first]
+    size = len(first)
+    while chunk:
         size += len(chunk)
         if size > limit:
             raise AnswerTooLarge(engine, limit)
         parts.append(chunk)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+        chunk = await response.read_chunk()
+    return b"".join(parts)

@@ -184,8 +184,8 @@ def render_file(models: Sequence[ModelEngines], *, config: Path, shutdown_grace:
     header = files.header(config, make="make helm-values", command="helm-values")
     if needed := secret_keys(_secret_sources(config)):
         header += (
-            f"# The Secret {KEYS_SECRET} must hold: {', '.join(needed)} (and GATEWAY_ADMIN_KEYS for the admin "
-            f"API), e.g. kubectl create secret generic {KEYS_SECRET} --from-literal=NAME=KEYS --from-file=FILE.\n"
+            f"# The Secret {KEYS_SECRET} must hold: {', '.join(needed)} (and GATEWAY_ADMIN_KEYS for the admin API):\n"
+            f"#   kubectl create secret generic {KEYS_SECRET} --from-literal=NAME=VALUE ... --from-file=FILE ...\n"
         )
     gpus = sum(e["gpus"] * e["nodes"] * e["replicas"] for e in values["engines"])
     if gpus:

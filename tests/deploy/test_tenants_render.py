@@ -239,3 +239,25 @@ def test_the_chart_names_every_variable_a_secret_must_hold(tmp_path):
         "gateway.keysSecret: the gateway config reads PLANNER_KEYS, ART, GATEWAY_SALT_SECRET, GATEWAY_REDIS_URL"
         in str(refused.value)
     )
+
+
+EXAMPLE = ROOT / "configs/gateway.tenants.yaml"
+
+
+def test_the_example_tenants_config_renders_both_ways_without_keys(tmp_path, capsys):
+    """configs/gateway.tenants.yaml (the docs' example) is a deployable config: compose and Helm
+    take it, passing its tenants' variables by name, and the gateway's own loader accepts it."""
+    settings = load_settings(EXAMPLE)
+    assert [t.api_keys_env for t in settings.tenants or ()] == ["PLANNER_KEYS", "ARTICLES_KEYS"]
+    output = ROOT / "docker/compose.tenants.yaml"  # rendered, not written: the checkout's layout
+    files = compose.render_files(settings.models, config=EXAMPLE, output=output)
+    env = yaml.safe_load(files[output])["services"]["gateway"]["environment"]
+    assert env == {"GATEWAY_ADMIN_KEYS": None, "PLANNER_KEYS": None, "ARTICLES_KEYS": None}
+    capsys.readouterr()
+    assert cli_main(["helm-values", "--config", str(EXAMPLE)]) == 0
+    out = capsys.readouterr().out
+    assert f"# The Secret {KEYS_SECRET} must hold: PLANNER_KEYS, ARTICLES_KEYS" in out
+    (container,) = named(render(yaml.safe_load(out)), "Deployment", "llm-llm-serving-gateway")["spec"]["template"][
+        "spec"
+    ]["containers"]
+    assert [e["name"] for e in container["env"]] == ["PLANNER_KEYS", "ARTICLES_KEYS", "GATEWAY_ADMIN_KEYS"]

@@ -52,8 +52,11 @@ RAW_LENGTH = 120
 ECHO = """
 import asyncio, sys, uvloop
 async def echo(reader, writer):
-    while data := await reader.readexactly(32):
-        writer.write(data)
+    try:
+        while data := await reader.readexactly(32):
+            writer.write(data)
+    except asyncio.IncompleteReadError:
+        writer.close()
 async def main():
     server = await asyncio.start_unix_server(echo, sys.argv[1])
     print("ready", flush=True)

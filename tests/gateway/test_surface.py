@@ -6,16 +6,14 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Callable, Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 
-from server.gateway.request.targets import engine_token, token_of
 from standin.surface import SurfaceStandin
 from tests.gateway.conftest import fast_settings
-from tests.support import refusing_port, serve_in_thread, wait_for
+from tests.support import serve_in_thread, wait_for
 
 
 @pytest.fixture
@@ -30,75 +28,67 @@ def standins() -> Iterator[Callable[..., list[tuple[str, SurfaceStandin]]]]:
         yield start
 
 
-def by_url(url: str) -> Any:
-    """What engine_token reads of an engine: its URL as configured."""
-    return SimpleNamespace(url=url)
-
-
 def events(text: str) -> list[dict[str, Any]]:
     return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
 
 
-# -- Responses: stored responses reach the engine that stored them -------------------------------
+# -- Responses: the gateway keeps them (app.responses); engines get stateless requests ------------
 
 
-def test_response_ids_name_the_engine_and_everything_after_goes_there(standins, gateway):
+def test_continuations_are_sent_whole_and_stateless_and_stored_state_never_reaches_an_engine(standins, gateway):
     (a_url, a), (b_url, b) = standins(2)
     gw = gateway(fast_settings({"standin": [a_url, b_url]}))
     with httpx.Client(base_url=gw.url, timeout=10) as client:
         first = client.post("/v1/responses", json={"model": "standin", "input": "hi", "request_id": "mine"})
         assert first.status_code == 200, first.text
-        response_id = first.json()["id"]
-        owner, other = (a, b) if response_id in a.stored else (b, a)
-        # The id names its engine by its URL alone, so that every worker (and every gateway
-        # replica) finds it without shared state.
-        owner_engine = by_url(a_url if owner is a else b_url)
-        assert token_of(response_id) == engine_token(owner_engine)  # the client's request_id was replaced
-        for _ in range(6):  # least-outstanding would alternate; the stored response pins every one
+        previous = first.json()["id"]
+        assert previous != "mine" and previous.startswith("resp_")  # the gateway chose it
+        for turn in range(6):
             follow = client.post(
-                "/v1/responses", json={"model": "standin", "input": "and?", "previous_response_id": response_id}
+                "/v1/responses", json={"model": "standin", "input": f"and {turn}?", "previous_response_id": previous}
             )
             assert follow.status_code == 200, follow.text
-            assert token_of(follow.json()["id"]) == engine_token(owner_engine)
-        retrieved = client.get(f"/v1/responses/{response_id}")
-        assert retrieved.status_code == 200 and retrieved.json()["id"] == response_id
-        cancelled = client.post(f"/v1/responses/{response_id}/cancel")
-        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
-    assert not [r for r in other.requests if r.path.startswith("/v1/responses")]
-    assert {r.method for r in owner.requests} == {"GET", "POST"}
+            assert follow.json()["previous_response_id"] == previous and follow.json()["store"] is True
+            previous = follow.json()["id"]
+        retrieved = client.get(f"/v1/responses/{previous}")
+        assert retrieved.status_code == 200 and retrieved.json() == follow.json()
+        items = client.get(f"/v1/responses/{previous}/input_items").json()
+        assert [item["content"][0]["text"] for item in items["data"]] == ["and 5?"]
+        assert client.delete(f"/v1/responses/{previous}").json() == {
+            "id": previous,
+            "object": "response.deleted",
+            "deleted": True,
+        }
+        assert client.get(f"/v1/responses/{previous}").status_code == 404
+    sent = [json.loads(r.body) for engine in (a, b) for r in engine.requests if r.path == "/v1/responses"]
+    assert len(sent) == 7
+    assert all(body["store"] is False and "previous_response_id" not in body for body in sent)
+    longest = max(len(body["input"]) if isinstance(body["input"], list) else 1 for body in sent)
+    assert longest == 6 * 2 + 1  # the six turns before (input, output), then the new input
+    assert not [r for engine in (a, b) for r in engine.requests if r.method != "POST"]
 
 
-def test_retrieve_passes_the_query_on(standins, gateway):
+def test_unknown_response_ids_are_404_in_the_envelope(standins, gateway):
     ((url, engine),) = standins(1)
     gw = gateway(fast_settings({"standin": [url]}))
-    response_id = httpx.post(f"{gw.url}/v1/responses", json={"model": "standin", "input": "hi"}).json()["id"]
-    answer = httpx.get(f"{gw.url}/v1/responses/{response_id}", params={"include": "x"}, timeout=10)
-    assert answer.status_code == 200
-    assert engine.requests[-1].path == f"/v1/responses/{response_id}?include=x"
-
-
-def test_unknown_and_orphaned_response_ids_are_404_in_the_envelope(standins, gateway):
-    ((url, _),) = standins(1)
-    with refusing_port() as port:
-        dead = f"http://127.0.0.1:{port}"
-        gw = gateway(fast_settings({"standin": [url], "other": [dead]}, health={"interval": 60}))
-        foreign = "resp_0123456789abcdef"  # made by an engine directly, or by another deployment
-        for method, path in (("GET", f"/v1/responses/{foreign}"), ("POST", f"/v1/responses/{foreign}/cancel")):
-            answer = httpx.request(method, f"{gw.url}{path}", timeout=10)
-            assert answer.status_code == 404
-            assert answer.json()["error"]["code"] == "response_not_found"
-            assert answer.json()["error"]["param"] == "response_id"
-        follow = httpx.post(
-            f"{gw.url}/v1/responses",
-            json={"model": "standin", "input": "x", "previous_response_id": foreign},
-            timeout=10,
-        )
-        assert follow.status_code == 404 and follow.json()["error"]["param"] == "previous_response_id"
-        # An id the dead engine made: its engine is gone, and with it the response.
-        orphan = f"resp_{engine_token(by_url(dead))}-{'0' * 32}"
-        gone = httpx.get(f"{gw.url}/v1/responses/{orphan}", timeout=10)
-        assert gone.status_code == 404, gone.text
-        assert "is down" in gone.json()["error"]["message"]
+    foreign = "resp_0123456789abcdef"  # made by an engine directly, or by another deployment
+    for method, path, param in (
+        ("GET", f"/v1/responses/{foreign}", "response_id"),
+        ("DELETE", f"/v1/responses/{foreign}", "response_id"),
+        ("GET", f"/v1/responses/{foreign}/input_items", "response_id"),
+        ("POST", f"/v1/responses/{foreign}/cancel", "response_id"),
+    ):
+        answer = httpx.request(method, f"{gw.url}{path}", timeout=10)
+        assert answer.status_code == 404, (method, path)
+        assert answer.json()["error"]["code"] == "response_not_found"
+        assert answer.json()["error"]["param"] == param
+    follow = httpx.post(
+        f"{gw.url}/v1/responses",
+        json={"model": "standin", "input": "x", "previous_response_id": foreign},
+        timeout=10,
+    )
+    assert follow.status_code == 404 and follow.json()["error"]["param"] == "previous_response_id"
+    assert not engine.requests  # nothing reached the engine
 
 
 def test_streamed_responses_measure_ttft_and_usage(standins, gateway):
@@ -136,6 +126,10 @@ def test_an_engine_dying_mid_stream_ends_a_responses_stream_with_an_error_event(
     assert got[-1]["code"] == "upstream_failed" and got[-1]["sequence_number"] == 3
     assert text.endswith("\n\n") and "[DONE]" not in text  # Responses streams have no [DONE]
     assert "event: error\n" in text
+    # The cut answer is recorded `incomplete`, never half-written as if it had completed.
+    stored = httpx.get(f"{gw.url}/v1/responses/{got[0]['response']['id']}", timeout=10)
+    assert stored.status_code == 200 and stored.json()["status"] == "incomplete"
+    assert stored.json()["output"] == []
 
 
 # -- other endpoints ------------------------------------------------------------------------------
@@ -186,7 +180,7 @@ def test_wrong_methods_on_known_paths_are_405(standins, gateway):
     ((url, _),) = standins(1)
     gw = gateway(fast_settings({"standin": [url]}))
     assert httpx.get(f"{gw.url}/v1/embeddings").status_code == 405
-    assert httpx.delete(f"{gw.url}/v1/responses/resp_x").status_code == 405
+    assert httpx.put(f"{gw.url}/v1/responses/resp_x").status_code == 405  # DELETE is served (app.responses)
     assert httpx.get(f"{gw.url}/v1/nothing").status_code == 404
 
 

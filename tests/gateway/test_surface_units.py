@@ -22,14 +22,7 @@ from server.gateway.replicas.pool import EnginePool, ModelPool
 from server.gateway.request.endpoints import BY_PATH, ENDPOINTS, OTHERS, known_path, match
 from server.gateway.request.forms import form_fields
 from server.gateway.request.request import parse_request
-from server.gateway.request.targets import (
-    body_for,
-    engine_token,
-    excluded,
-    new_response_id,
-    resolve,
-    token_of,
-)
+from server.gateway.request.targets import body_for, excluded, resolve
 
 # -- the table ------------------------------------------------------------------------------------
 
@@ -128,52 +121,22 @@ def pools() -> EnginePool:
     return EnginePool([ModelPool("chat", [a, b]), ModelPool("embed", [embed])])
 
 
-def test_response_ids_carry_a_token_only_their_engine_has():
+def test_a_continuation_is_routed_like_any_request_and_sent_as_it_was_built():
     upstreams = pools()
-    tokens = {engine_token(e) for e in upstreams.engines()}
-    assert len(tokens) == 3 and all(len(t) == 8 for t in tokens)
-    engine = upstreams.models["chat"].engines[1]
-    response_id = new_response_id(engine)
-    assert token_of(response_id) == engine_token(engine)
-    assert token_of("resp_0123456789abcdef") is None  # vLLM's own ids
-    assert engine_token(Engine("chat", engine.url)) == engine_token(engine)  # any gateway reads it the same
-
-
-def test_resolve_pins_previous_response_id_and_retrieve_to_the_engine_that_stored_it():
-    upstreams = pools()
-    owner = upstreams.models["chat"].engines[1]
-    stored = new_response_id(owner)
     create = parse_request(
-        json.dumps({"model": "chat", "input": "x", "previous_response_id": stored}).encode(), BY_PATH["/v1/responses"]
+        json.dumps({"model": "chat", "input": "x", "previous_response_id": "resp_1"}).encode(), BY_PATH["/v1/responses"]
     )
-    assert resolve(upstreams, create) is upstreams.models["chat"] and create.pin is owner
-    assert excluded(create, upstreams.models["chat"]) == [upstreams.models["chat"].engines[0]]
-    sent = json.loads(body_for(create, owner))
-    assert token_of(sent["request_id"]) == engine_token(owner) and sent["previous_response_id"] == stored
-    endpoint, param = match(f"/v1/responses/{stored}", "GET") or (None, "")
+    assert resolve(upstreams, create) is upstreams.models["chat"] and create.pin is None
+    assert excluded(create, upstreams.models["chat"]) == []  # any replica (app.responses sent it stateless)
+    assert body_for(create, upstreams.models["chat"].engines[0]) == create.raw
+
+
+def test_a_retrieve_that_reaches_the_router_is_404_no_engine_keeps_responses():
+    endpoint, param = match("/v1/responses/resp_1", "GET") or (None, "")
     assert endpoint is not None
-    retrieve = parse_request(b"", endpoint, param=param, path=f"/v1/responses/{stored}", query=b"stream=true")
-    assert resolve(upstreams, retrieve) is upstreams.models["chat"]
-    assert (retrieve.pin, retrieve.model, retrieve.stream) == (owner, "chat", True)
-    assert retrieve.path == f"/v1/responses/{stored}?stream=true"
-
-
-def test_resolve_refuses_ids_of_no_engine_or_of_another_model():
-    upstreams = pools()
-    for previous in ("resp_0123456789abcdef", new_response_id(Engine("chat", "http://elsewhere:1"))):
-        request = parse_request(
-            json.dumps({"model": "chat", "input": "x", "previous_response_id": previous}).encode(),
-            BY_PATH["/v1/responses"],
-        )
-        with pytest.raises(ResponseNotFound):
-            resolve(upstreams, request)
-    from_embed = new_response_id(upstreams.models["embed"].engines[0])
-    request = parse_request(
-        json.dumps({"model": "chat", "input": "x", "previous_response_id": from_embed}).encode(),
-        BY_PATH["/v1/responses"],
-    )
-    with pytest.raises(ResponseNotFound, match="model `embed`"):
-        resolve(upstreams, request)
+    retrieve = parse_request(b"", endpoint, param=param, path="/v1/responses/resp_1")
+    with pytest.raises(ResponseNotFound, match="the gateway's"):
+        resolve(pools(), retrieve)
 
 
 def test_resolve_sends_adapters_to_their_base_model_only_where_served():

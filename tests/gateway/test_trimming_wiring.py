@@ -123,7 +123,8 @@ async def test_counting_tokens_takes_no_routing_turn_and_counts_no_request(engin
 def test_a_responses_conversation_is_trimmed_through_the_gateway():
     """/v1/responses through the whole gateway: the engine (a stand-in that refuses over-long
     prompts as vLLM does) gets the instructions, the newest items and whole tool calls, under the
-    gateway's own response id; a follow-up with `previous_response_id` goes untouched."""
+    gateway's own response id; a follow-up with `previous_response_id` is built from the gateway's
+    store and trimmed too."""
     engine = ResponsesStandin.build(responses_history, model="standin", max_model_len=1000)
     with serve_in_thread(engine) as url:
         items = responses_conversation(40)
@@ -142,11 +143,16 @@ def test_a_responses_conversation_is_trimmed_through_the_gateway():
             assert response.json()["usage"]["input_tokens"] <= 900
             assert 'gateway_trimmed_messages_total{model="standin"}' in httpx.get(f"{gw.url}/metrics").text
 
-            follow_up = {**body, "previous_response_id": response.json()["id"]}
+            # A follow-up by id: the gateway builds the whole input from its own store and trims it
+            # like any other (app.responses), instead of an engine refusing an over-long history.
+            follow_up = {**body, "input": "and now?", "previous_response_id": response.json()["id"]}
             again = httpx.post(f"{gw.url}/v1/responses", json=follow_up, timeout=30)
-            assert again.headers["x-trim-status"] == "previous-response"
-            assert engine.responses[-1]["input"] == items  # untouched: the engine refuses it itself
-            assert again.status_code == 400
+            assert again.status_code == 200, again.text
+            assert again.headers["x-trim-status"] == "trimmed"
+            assert again.json()["previous_response_id"] == response.json()["id"]
+            sent = engine.responses[-1]
+            assert sent["store"] is False and "previous_response_id" not in sent
+            assert sent["input"][-1]["content"][0]["text"] == "and now?"
 
 
 @pytest.mark.one_process("reads the gateway's trimming step and its count cache")

@@ -27,6 +27,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from time import perf_counter
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -56,9 +57,11 @@ from server.gateway.errors import (
 from server.gateway.http.asgi import Message, Receive, Scope, Send, read_body, send_bytes
 from server.gateway.http.seam import mark_authenticated
 from server.gateway.jsonio import dumps, loads
+from server.gateway.observability.record import RequestRecord
 from server.gateway.request.checks import wrong_type
 from server.gateway.request.endpoints import BY_NAME
 from server.gateway.request.ids import request_id_from
+from server.gateway.request.targets import served
 from server.gateway.settings import ResponsesStore
 
 log = logging.getLogger("gateway.responses")
@@ -193,7 +196,7 @@ class ResponsesApi:
         try:
             plan = await self._plan(tenant, body)
         except GatewayError as exc:
-            await send_error(send, exc, [(b"x-request-id", rid.encode())])
+            await self._refuse(send, exc, rid, body.get("model"), tenant)
             return
         if plan is None:  # stateless: the engine's answer as it is, the store untouched
             await self.proxied.handle(CREATE, scope, replay(raw, receive), send)
@@ -248,6 +251,16 @@ class ResponsesApi:
         engine_body["store"] = False
         engine_body["request_id"] = response_id  # vLLM names the response after it
         return engine_body, response_id, len(chain)
+
+    async def _refuse(self, send: Send, exc: GatewayError, rid: str, model: Any, tenant: str) -> None:
+        """A create refused before any engine: answered in the envelope, counted and logged like the
+        proxied handler's refusals (under the model it named, if that one is served)."""
+        record = RequestRecord(rid, CREATE.name, perf_counter(), tenant=tenant or None)
+        if isinstance(model, str) and served(self.proxied.state.upstreams, model):
+            self.proxied.reporter.open(record, model)
+        record.status, record.error = exc.status, exc.message
+        await send_error(send, exc, [(b"x-request-id", rid.encode())])
+        self.proxied.reporter.finish(record)
 
     def _record(self, tenant: str, body: dict[str, Any], response_id: str, tap: AnswerTap) -> StoredResponse:
         now = time.time()

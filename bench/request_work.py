@@ -8,8 +8,8 @@ stand-in engine and one gateway worker per commit (`--before REV`, and the worki
 events (a `sitecustomize` of its own, switched on and off by SIGUSR1/SIGUSR2 around the measured
 requests, so start-up and warm-up are not counted) every bytecode each gateway runs, by file and
 function, less what it runs on a clock with no request (health probes, metric scrapes: counted over
-an idle window as long as the measured one). The report gives the count per request, streamed and whole, with the modules that
-differ most; the files a restructure renamed are compared by their role (`--rename old=new`).
+an idle window as long as the measured one). The report gives the count per request, streamed and
+whole, with the files that differ most (`--rename old=new` compares a file that moved as one).
 
 Beside the counts, the time to first byte at one stream: the two gateways in turn, request by
 request, and the median of the paired differences (after - before), the way a busy machine's

@@ -138,12 +138,13 @@ class QuotaStore(_Strict):
 class ResponsesStore(_Strict):
     """Where the gateway keeps stored Responses (server.gateway.conversations, docs/operate/conversations.md).
 
-    sqlite: one file (`path`, relative to the config file's folder), for one host and its `--workers`;
+    sqlite: one file for one host and its `--workers`: `path` (relative: to the config file's folder),
+    by default responses.sqlite3 in the gateway's data folder ($GATEWAY_DATA_DIR, else ./data);
     postgres: one database for every gateway replica, its URL read from the variable `url_env`
     (never from this file: it may hold a password); off: `store: true` and `previous_response_id` refused."""
 
     backend: Literal["sqlite", "postgres", "off"] = "sqlite"
-    path: Path = Path("data/responses.sqlite3")
+    path: Path | None = None
     url_env: str = "GATEWAY_DATABASE_URL"
     retention_days: float = Field(default=30.0, gt=0)  # OpenAI's default
     tenant_retention_days: dict[str, float] = Field(default_factory=dict)  # per tenant name

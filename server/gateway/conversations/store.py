@@ -17,6 +17,7 @@ from server.gateway.conversations.records import StoredResponse
 from server.gateway.settings import ResponsesStore
 
 DAY = 86400.0
+DATA_DIR_ENV = "GATEWAY_DATA_DIR"  # the gateway's data folder (its SQLite response store)
 MAX_CHAIN = 10_000  # turns loaded for one continuation at most (a cycle cannot be stored, but a bound is cheap)
 
 
@@ -55,13 +56,16 @@ def open_store(
 ) -> ResponseStore | None:
     """The store `config` names (not opened yet), or None for `backend: off`.
 
-    A relative SQLite path is under `base` (the config file's folder) or the working directory."""
+    A relative SQLite path is under `base` (the config file's folder) or the working directory; no
+    path: responses.sqlite3 in the gateway's data folder, $GATEWAY_DATA_DIR or else ./data."""
     environ = os.environ if environ is None else environ
     if config.backend == "off":
         return None
     if config.backend == "sqlite":
         from server.gateway.conversations.sqlite import SqliteStore
 
+        if config.path is None:
+            return SqliteStore(Path(environ.get(DATA_DIR_ENV) or "data") / "responses.sqlite3")
         path = config.path if config.path.is_absolute() or base is None else base / config.path
         return SqliteStore(path)
     from server.gateway.conversations.errors import StoreUnavailable

@@ -146,6 +146,8 @@ async def test_postgres_unreachable_is_refused_with_the_reason():
 def test_open_store_follows_the_settings(tmp_path):
     sqlite = open_store(ResponsesStore(path="r.sqlite3"), base=tmp_path)
     assert isinstance(sqlite, SqliteStore) and sqlite.path == tmp_path / "r.sqlite3"
+    default = open_store(ResponsesStore(), environ={"GATEWAY_DATA_DIR": str(tmp_path / "d")})
+    assert isinstance(default, SqliteStore) and default.path == tmp_path / "d" / "responses.sqlite3"
     assert open_store(ResponsesStore(backend="off")) is None
     with pytest.raises(StoreUnavailable, match="GATEWAY_DATABASE_URL"):
         open_store(ResponsesStore(backend="postgres"), environ={})

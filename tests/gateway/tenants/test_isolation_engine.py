@@ -182,3 +182,32 @@ def test_isolated_tenants_never_hit_each_others_blocks_and_repeats_go_where_thei
     engine_logs = "".join(Path(r.log_path).read_text(errors="replace") for r in real_replicas if r.log_path)
     for salt in SALTS:
         assert salt not in engine_logs  # vLLM logs no request parameters here either
+
+
+def test_completions_and_responses_are_salted_too(real_replicas):
+    """vLLM 0.32 takes `cache_salt` on /v1/completions and /v1/responses as on chat: an isolated
+    tenant's repeat hits, another isolated tenant's same prompt does not (one engine: no routing)."""
+    with gateway([real_replicas[0].url]) as one:
+
+        def completion(tenant: str, prompt: str) -> int:
+            with openai.OpenAI(base_url=f"{one.url}/v1", api_key=KEYS[tenant], max_retries=0, timeout=120) as client:
+                answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+            assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+            return answer.usage.prompt_tokens_details.cached_tokens or 0
+
+        def response(tenant: str, instructions: str, question: str) -> int:
+            with openai.OpenAI(base_url=f"{one.url}/v1", api_key=KEYS[tenant], max_retries=0, timeout=120) as client:
+                answer = client.responses.create(
+                    model="tiny", instructions=instructions, input=question, max_output_tokens=16
+                )
+            assert answer.usage is not None
+            return answer.usage.input_tokens_details.cached_tokens or 0
+
+        prompt = system("completions desk")
+        assert completion("planner", prompt + " Lisbon?") == 0
+        assert completion("planner", prompt + " Porto?") >= 3 * 128
+        assert completion("articles", prompt + " Lisbon?") == 0
+        instructions = system("responses desk")
+        assert response("planner", instructions, "Lisbon?") == 0
+        assert response("planner", instructions, "Porto?") >= 3 * 128
+        assert response("articles", instructions, "Lisbon?") == 0

@@ -14,7 +14,7 @@ Class = Literal["interactive", "standard", "batch"]
 
 CLASSES: tuple[Class, ...] = ("interactive", "standard", "batch")  # first served first
 RANK: dict[str, int] = {name: rank for rank, name in enumerate(CLASSES)}
-VLLM_PRIORITY: dict[str, int] = dict(RANK)  # vLLM: lower runs first (and may preempt higher)
+VLLM_PRIORITY: dict[str, int] = dict(RANK)  # vLLM: lower is scheduled first (preempted last, KV short)
 PRIORITY_HEADER = b"x-priority"
 
 

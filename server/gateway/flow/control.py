@@ -195,15 +195,25 @@ class FlowControl:
     # -- the queue's side -------------------------------------------------------------------------
 
     def _room(self, queue: ModelQueue, klass: Class) -> int:
-        """Requests of `klass` the model takes now. Engines that schedule by priority (vLLM's
-        priority policy: a higher class runs first and preempts lower ones) count only the
-        requests in flight of `klass` and above: an interactive request goes in beside a full
-        batch, and vLLM makes room for it; other engines count every request in flight."""
+        """Requests of `klass` the model takes now. Batch leaves `headroom` free for the classes
+        above. Engines that schedule by priority (vLLM's priority policy: a higher class is
+        scheduled first from its queue) count only the requests in flight of `klass` and above:
+        a higher class goes in beside a full lower one and is next at the engine; other engines
+        count every request in flight."""
         cap = self.capacity(queue.pool)
+        if klass == "batch":
+            cap -= self.headroom(cap)
         if queue.pool.name not in self.priority_models:
             return cap - queue.inflight
         rank = RANK[klass]
         return cap - sum(n for k, n in queue.by_class.items() if RANK[k] <= rank)
+
+    def headroom(self, cap: int) -> int:
+        """Slots of `cap` batch requests leave to the classes above: vLLM's scheduler preempts
+        only when its KV cache is short, never because its batch of sequences is full, so an
+        interactive request behind a full batch would wait for a batch answer to end."""
+        share = self.settings.batch_headroom
+        return min(math.ceil(share * cap), cap - 1) if share > 0 and cap > 1 else 0
 
     def _admit(self, queue: ModelQueue, tenant: str, klass: Class, cost: float, arrived: float, now: float) -> Pass:
         queue.inflight += 1

@@ -22,7 +22,7 @@ def pool(n: int = 1) -> ModelPool:
 
 
 def control(**settings: object) -> FlowControl:
-    return FlowControl(Flow.model_validate({"max_num_seqs": 2, "tick_s": 0.01, **settings}))
+    return FlowControl(Flow.model_validate({"max_num_seqs": 2, "tick_s": 0.01, "batch_headroom": 0, **settings}))
 
 
 def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, object]:
@@ -180,7 +180,7 @@ async def test_a_request_past_its_class_wait_is_refused() -> None:
 
 
 async def test_the_wait_is_capped_below_the_first_byte_deadline() -> None:
-    gate = FlowControl(Flow(max_num_seqs=1), wait_cap=0.05)
+    gate = FlowControl(Flow(max_num_seqs=1, batch_headroom=0), wait_cap=0.05)
     p = pool()
     await gate.enter(p, "t", "batch", 1)
     with pytest.raises(QueueRefused):
@@ -252,7 +252,7 @@ async def test_settling_returns_an_unused_reservation() -> None:
 
 async def test_with_priority_scheduling_a_higher_class_goes_in_beside_a_full_lower_one() -> None:
     """vLLM's priority policy runs it first (preempting batch): it need not wait for a batch slot."""
-    gate = FlowControl(Flow(max_num_seqs=2, tick_s=0.01), priority_models=frozenset({"m"}))
+    gate = FlowControl(Flow(max_num_seqs=2, tick_s=0.01, batch_headroom=0), priority_models=frozenset({"m"}))
     p = pool()
     batch = [await gate.enter(p, "b", "batch", 1) for _ in range(2)]
     queued_batch = asyncio.create_task(gate.enter(p, "b", "batch", 1))
@@ -270,3 +270,25 @@ async def test_with_priority_scheduling_a_higher_class_goes_in_beside_a_full_low
     await asyncio.wait_for(third, 30)
     assert not queued_batch.done()
     queued_batch.cancel()
+
+
+async def test_batch_leaves_headroom_for_the_classes_above() -> None:
+    """vLLM preempts for KV space only: a batch that fills max-num-seqs would keep the next
+    interactive turn waiting for a batch answer to end, so batch stops short of the last slots."""
+    gate = FlowControl(Flow(max_num_seqs=32, batch_headroom=0.0625, tick_s=0.01))
+    p = pool()
+    assert gate.headroom(32) == 2 and gate.headroom(2) == 1 and gate.headroom(1) == 0
+    batch = [await gate.enter(p, "b", "batch", 1) for _ in range(30)]
+    waiting = asyncio.create_task(gate.enter(p, "b", "batch", 1))
+    await settle()
+    assert not waiting.done()  # 30 of 32: batch's share is full
+    turns = [await asyncio.wait_for(gate.enter(p, "i", "interactive", 1), 30) for _ in range(2)]  # nobody left
+    assert gate.models["m"].inflight == 32
+    gate.leave(turns[0], None)
+    await settle()
+    assert not waiting.done()  # an interactive slot freed is not batch's
+    gate.leave(batch[0], None)
+    await settle()
+    assert not waiting.done()  # 29 batch + 1 interactive: free slots must stay >= the headroom
+    gate.leave(turns[1], None)
+    await asyncio.wait_for(waiting, 30)

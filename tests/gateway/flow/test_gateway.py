@@ -26,7 +26,9 @@ def settings(engine_url: str, **flow: Any) -> Any:
         {"name": "articles", "api_keys": [KEYS["articles"]], "priority": "batch"},
         {"name": "reports", "api_keys": [KEYS["reports"]], "priority": "standard"},
     ]
-    return fast_settings({"standin": [engine_url]}, tenants=tenants, flow={"max_num_seqs": 2, **flow})
+    return fast_settings(
+        {"standin": [engine_url]}, tenants=tenants, flow={"max_num_seqs": 2, "batch_headroom": 0, **flow}
+    )
 
 
 def auth(tenant: str, **headers: str) -> dict[str, str]:

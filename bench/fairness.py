@@ -12,11 +12,13 @@ per workload). Each run measures, in one go:
   every request has vLLM's default), both through the gateway. Every turn's TTFT; the planner's
   figure is its worst turn. Goals: worst turn beside the batch <= 3x its worst alone; the batch's
   makespan beside the planner <= 1.2x alone; no request fails.
-- `fair`: two batch tenants, `heavy` sending 10x `light`'s requests (unique prompts, same shape),
-  all sent at once, heavy's first: through the gateway, then straight to the engine (FCFS). The
-  share of served tokens (uncached prompt + output, from usage) of each tenant among the requests
-  that finished while both still had work (until light's last answer), and each tenant's median
-  latency.
+- `fair`: two batch tenants, `heavy` sending 10x `light`'s requests (same shape), all sent at
+  once, heavy's first: through the gateway, then straight to the engine (FCFS). Each tenant's
+  share of the tokens served (uncached prompt + output, from usage; output spread over each
+  streamed answer's time) while both were backlogged: from light's first answer starting to the
+  earlier of the two tenants' last answer starting (`backlogged_shares`); when light was first
+  served; each tenant's median TTFT and latency. Straight to the engine, light is served only
+  once heavy's backlog has started, so there may be no such window (n/a).
 - `uncached`: two batch tenants with prompts of the same length, `shared`'s behind one long
   common system prompt (the prefix cache holds it), `unique`'s all different: the requests each
   got served while both were backlogged, and the gateway's counters (virtual and served tokens).
@@ -248,6 +250,48 @@ def shares(results: list[dict], tenants: tuple[str, str], until: float) -> dict[
     return {"tokens": tokens, "share": {t: tokens[t] / total for t in tenants}, "window_s": until}
 
 
+def started_at(result: dict[str, Any]) -> float | None:
+    """When the engine began answering (its first token), from the run's start."""
+    return result["sent"] + result["ttft"] if result.get("ttft") is not None else None
+
+
+def tokens_within(result: dict[str, Any], a: float, b: float) -> float:
+    """The served tokens of one streamed answer that fall in [a, b]: its uncached prompt at its
+    first token, its output spread evenly from the first token to the end."""
+    first = started_at(result)
+    if first is None:
+        return 0.0
+    usage = result.get("usage") or {}
+    prompt = served_tokens(result) - usage.get("completion_tokens", 0)
+    out = float(prompt) if a <= first <= b else 0.0
+    end = result["done"]
+    span = end - first
+    overlap = max(0.0, min(b, end) - max(a, first))
+    return out + (usage.get("completion_tokens", 0) * overlap / span if span > 0 else 0.0)
+
+
+def backlogged_shares(results: list[dict]) -> dict[str, Any]:
+    """Each tenant's share of the tokens served while both were backlogged: from light's first
+    answer starting (before it, light had not been served at all: heavy's requests sent first
+    held every slot) to the earlier of the two tenants' last answer starting (after it, that
+    tenant had nothing left waiting). Also the wait before light was first served."""
+    starts = {
+        t: sorted(s for r in results if r["tag"] == t and (s := started_at(r)) is not None) for t in ("heavy", "light")
+    }
+    if not starts["light"] or not starts["heavy"]:
+        return {"share": {"heavy": None, "light": None}, "window_s": None}
+    a = starts["light"][0]
+    b = min(starts["heavy"][-1], starts["light"][-1])
+    tokens = {t: sum(tokens_within(r, a, b) for r in results if r["tag"] == t) for t in ("heavy", "light")}
+    total = sum(tokens.values())
+    return {
+        "tokens": tokens,
+        "share": {t: tokens[t] / total if total > 0 and b > a else None for t in tokens},
+        "window_s": [a, b],
+        "light_first_served_s": a,
+    }
+
+
 async def fair(gateway: str, engine: str, args: Any, run: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     async with new_client() as client:
@@ -261,7 +305,7 @@ async def fair(gateway: str, engine: str, args: Any, run: int) -> dict[str, Any]
                     "heavy" if via else None,
                     article_messages(1000 + i, run),
                     args.fair_tokens,
-                    stream=False,
+                    stream=True,
                     t0=t0,
                 )
                 for i in range(args.light * 10)
@@ -273,7 +317,7 @@ async def fair(gateway: str, engine: str, args: Any, run: int) -> dict[str, Any]
                     "light" if via else None,
                     article_messages(5000 + i, run),
                     args.fair_tokens,
-                    stream=False,
+                    stream=True,
                     t0=t0,
                 )
                 for i in range(args.light)
@@ -284,10 +328,13 @@ async def fair(gateway: str, engine: str, args: Any, run: int) -> dict[str, Any]
             results = await asyncio.gather(*tasks)
             for i, r in enumerate(results):
                 r["tag"] = "heavy" if i < len(heavy) else "light"
-            light_done = max(r["done"] for r in results if r["tag"] == "light")
-            figures = shares(results, ("heavy", "light"), light_done)
+            figures = backlogged_shares(results)
             figures["median_latency_s"] = {
                 t: median(r["done"] - r["sent"] for r in results if r["tag"] == t) for t in ("heavy", "light")
+            }
+            figures["median_ttft_s"] = {
+                t: median(r["ttft"] for r in results if r["tag"] == t and r["ttft"] is not None)
+                for t in ("heavy", "light")
             }
             figures["makespan_s"] = max(r["done"] for r in results)
             figures["failed"] = sum(1 for r in results if r["status"] != 200)
@@ -483,6 +530,8 @@ def fair_lines(fairs: list[dict[str, Any]]) -> list[str]:
             row(f"{tenant}'s share of served tokens while both backlogged", *both(lambda f, t=tenant: f["share"][t]))
         )
         lines.append(row(f"{tenant}'s median latency (s)", *both(lambda f, t=tenant: f["median_latency_s"][t], 1)))
+        lines.append(row(f"{tenant}'s median TTFT (s)", *both(lambda f, t=tenant: f["median_ttft_s"][t], 1)))
+    lines.append(row("light first served after (s)", *both(lambda f: f.get("light_first_served_s"), 1)))
     lines.append(row("makespan (s)", *both(lambda f: f["makespan_s"], 1)))
     failed = sum(f[p]["figures"]["failed"] for f in fairs for p in ("gateway", "direct"))
     return [*lines, row("failed", str(failed), ""), ""]
@@ -541,15 +590,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default="docs/bench/fairness")
     parser.add_argument("--scenarios", default="chapter,fair,uncached")
     parser.add_argument("--turns", type=int, default=12)
-    parser.add_argument("--turn-tokens", type=int, default=12)
+    parser.add_argument("--turn-tokens", type=int, default=8)
     parser.add_argument("--think", type=float, default=0.3, help="seconds between the planner's turns")
     parser.add_argument("--planner-delay", type=float, default=3.0)
     parser.add_argument("--articles", type=int, default=100)
-    parser.add_argument("--article-tokens", type=int, default=300)
-    parser.add_argument("--light", type=int, default=20, help="light's requests (heavy sends 10x)")
-    parser.add_argument("--fair-tokens", type=int, default=48)
-    parser.add_argument("--uncached-requests", type=int, default=80, help="per tenant")
-    parser.add_argument("--prompt-chars", type=int, default=2400)
+    parser.add_argument("--article-tokens", type=int, default=128)
+    parser.add_argument("--light", type=int, default=12, help="light's requests (heavy sends 10x)")
+    parser.add_argument("--fair-tokens", type=int, default=32)
+    parser.add_argument("--uncached-requests", type=int, default=40, help="per tenant")
+    parser.add_argument("--prompt-chars", type=int, default=1200)
     args = parser.parse_args(argv)
     return asyncio.run(main_async(args))
 

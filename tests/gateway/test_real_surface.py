@@ -1,6 +1,6 @@
 """The real OpenAI SDK against the gateway in front of real vLLM engines: the tiny chat model and
 the tiny model as an embedding model. Responses (plain, streamed, previous_response_id, retrieve,
-background), embeddings (one and a batch), tokenize/detokenize and the pooling endpoints, and the
+background refused), embeddings (one and a batch), tokenize/detokenize and the pooling endpoints, and the
 gateway's own metrics for them."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import openai
 import pytest
 
 from server.deploy.plan import served_model
-from server.gateway.request.targets import engine_token, token_of
 from server.gateway.settings import GatewaySettings
 from tests.gateway.conftest import WORKER_COUNTS, WORKER_IDS, served_gateway
 
@@ -71,7 +70,7 @@ def test_responses_plain_then_previous_response_id_then_retrieve(client, real_en
     )
     assert first.object == "response" and first.usage is not None and first.usage.output_tokens == 4
     assert first.output_text  # four tokens of gibberish
-    assert token_of(first.id) is not None  # the gateway chose it: it names the engine that stored it
+    assert first.store is True  # kept by the gateway (app.responses); the engine was sent store: false
     follow = client.responses.create(
         model=real_engine.model,
         input="And the evening?",
@@ -118,18 +117,10 @@ def test_responses_streamed_with_ttft_and_counts_by_endpoint(client, real_engine
     assert after[model_tokens] == before.get(model_tokens, 0) + 5  # from response.completed
 
 
-def test_background_responses_are_retrieved_from_their_engine(client, real_engine):
-    queued = client.responses.create(
-        model=real_engine.model, input="Plan a week.", max_output_tokens=3, background=True, extra_body=NO_EOS
-    )
-    assert queued.status in ("queued", "in_progress", "completed")
-    deadline = time.monotonic() + POLL_DEADLINE_S
-    done = client.responses.retrieve(queued.id)
-    while done.status in ("queued", "in_progress"):
-        assert time.monotonic() < deadline, f"still {done.status}"
-        time.sleep(0.1)
-        done = client.responses.retrieve(queued.id)
-    assert done.status in ("completed", "incomplete") and done.usage is not None and done.usage.output_tokens == 3
+def test_background_responses_are_refused_in_the_envelope(client, real_engine):
+    with pytest.raises(openai.BadRequestError) as refused:  # the gateway stores answers; it runs none in the background
+        client.responses.create(model=real_engine.model, input="Plan a week.", max_output_tokens=3, background=True)
+    assert refused.value.body["param"] == "background" and refused.value.body["code"] == "unsupported_value"
 
 
 # -- embeddings and the other endpoints ----------------------------------------------------------
@@ -167,10 +158,3 @@ def test_an_endpoint_the_engine_does_not_serve_is_the_sdks_not_found_error(clien
         client.audio.transcriptions.create(model=real_engine.model, file=("a.wav", b"RIFF0000", "audio/wav"))
     with pytest.raises(openai.NotFoundError):  # an embedding model serves no Responses
         client.responses.create(model=real_embed_engine.model, input="x")
-
-
-def test_response_ids_name_the_real_engine(client, real_engine, gateway_url):
-    answer = client.responses.create(model=real_engine.model, input="x", max_output_tokens=1)
-    from server.gateway.replicas.engine import Engine
-
-    assert token_of(answer.id) == engine_token(Engine(real_engine.model, real_engine.url))

@@ -104,8 +104,8 @@ def test_a_long_responses_conversation_is_refused_direct_and_answered_trimmed(re
         ).json()["count"]
         assert count == used
 
-        # A follow-up continues the stored response: the engine prepends what it stored, which
-        # the gateway cannot see, so the request goes as sent and the header says why.
+        # A follow-up continues the stored response: the gateway builds the whole input from its
+        # own store (app.responses) and trims it like any other.
         follow = gateway.responses.with_raw_response.create(
             model=real_engine.model,
             input="And tomorrow?",
@@ -113,5 +113,6 @@ def test_a_long_responses_conversation_is_refused_direct_and_answered_trimmed(re
             max_output_tokens=ANSWER_TOKENS,
         )
         assert follow.status_code == 200
-        assert follow.headers["x-trim-status"] == "previous-response"
-        assert "x-trimmed-messages" not in follow.headers
+        assert follow.headers["x-trim-status"] == "trimmed"
+        assert int(follow.headers["x-trimmed-messages"]) > 0
+        assert follow.parse().previous_response_id == response.id

@@ -52,9 +52,10 @@ class FlowCollector(Collector):
         for model, queue in control.models.items():
             inflight.add_metric([model], queue.inflight)
             room.add_metric([model], control.capacity(queue.pool))
-            for klass in CLASSES:
-                for tenant, waiters in queue.queued[klass].items():
-                    queued.add_metric([model, klass, tenant], len(waiters))
+            for klass in CLASSES:  # every configured tenant in every class: 0 rather than no series
+                waiting = queue.queued[klass]
+                for tenant in self.tenants:
+                    queued.add_metric([model, klass, tenant], len(waiting.get(tenant, ())))
             for engine in queue.pool.engines:
                 sat.add_metric([model, engine.id], saturation(engine, control.max_num_seqs(model)))
         yield queued

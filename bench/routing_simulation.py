@@ -62,13 +62,27 @@ class ModelEngine:
         return hit, stored, removed
 
 
+# Time units of the serial timing model: what a request costs a replica's core (the tiny model on
+# CPU: a fixed part, a little per block computed, then its 8 tokens of answer).
+PREFILL_FIXED, PREFILL_BLOCK, DECODE = 5.0, 1.0, 5.0
+
+
 def tokens_of(text: str) -> list[int]:
     return [ord(text[i]) * 65536 + ord(text[i + 1] if i + 1 < len(text) else " ") for i in range(0, len(text), 2)]
 
 
 def simulate(
-    workload: str, index: str, *, blocks: int, block_tokens: int, concurrency: int, seed: int, lag: bool = False
+    workload: str,
+    index: str,
+    *,
+    blocks: int,
+    block_tokens: int,
+    concurrency: int,
+    seed: int,
+    lag: bool = False,
+    weights: dict[str, float] | None = None,
 ) -> dict:
+    """`index`: approximate or precise (the gateway's cache_aware), or round_robin / oracle."""
     spec = WORKLOADS[workload]
     conversations = ordered_sessions(spec, seed)
     pool = EnginePool.from_models([ServedModel("m", ["http://a:1", "http://b:1"])], cache=CacheState())
@@ -79,7 +93,15 @@ def simulate(
         engine.metrics = EngineMetrics(kv_usage=0.0, kv_capacity_tokens=blocks * block_tokens, block_size=block_tokens)
         cache.precise.set_live(engine.id, True)
         cache.precise.state(engine.id).block_size = block_tokens
-    routing = Routing(policy="cache_aware", prefix_index=index)  # type: ignore[arg-type]
+    policy = "cache_aware" if index in ("approximate", "precise") else "round_robin"
+    routing = Routing(
+        policy=policy,  # type: ignore[arg-type]
+        prefix_index="approximate" if index == "approximate" else "precise",
+        prefix_affinity=False,
+        weights=weights or {},
+    )
+    free_at = {e.id: 0.0 for e in model.engines}  # a replica serves one request at a time (a core each)
+    ttfts: list[float] = []
     rng = random.Random(seed)
     clock = 0.0
     queue = list(reversed(conversations))
@@ -111,10 +133,14 @@ def simulate(
         view = PromptView(
             text_blocks(text, cache.block_chars), len(text), tokens=tokens if index == "precise" else None
         )
-        decision = model.route(routing, prompt=view)
-        assert decision is not None
-        reasons[decision.reason] = reasons.get(decision.reason, 0) + 1
-        engine = decision.engine
+        if index == "oracle":
+            engine = model.engines[tenant_of(session) % 2]
+            engine.outstanding += 1
+        else:
+            decision = model.route(routing, prompt=view)
+            assert decision is not None
+            reasons[decision.reason] = reasons.get(decision.reason, 0) + 1
+            engine = decision.engine
         keys = token_blocks(tokens, block_tokens)
         hit, stored, removed = engines[engine.id].serve(keys)
         events = (engine.id, stored, removed)
@@ -123,7 +149,11 @@ def simulate(
         prompt_tokens += len(tokens)
         cached += hit * block_tokens
         counter += 1
-        done = now + 1 + (len(keys) - hit) + rng.random() * 0.1
+        begin = max(now, free_at[engine.id])
+        first = begin + PREFILL_FIXED + PREFILL_BLOCK * (len(keys) - hit) + rng.random() * 0.1
+        done = first + DECODE
+        free_at[engine.id] = done
+        ttfts.append(first - now)
         history = [*history, session.turns[turn], {"role": "assistant", "content": "Noted, thank you."}]
         heapq.heappush(running, (done, counter, engine, (session, turn + 1, history), events))
 
@@ -145,6 +175,7 @@ def simulate(
         "split": [e.requests for e in engines.values()],
         "reasons": reasons,
         "requests": counter,
+        "ttft_p90": sorted(ttfts)[int(0.9 * (len(ttfts) - 1))],
     }
 
 
@@ -168,18 +199,19 @@ def oracle(workload: str, *, blocks: int, block_tokens: int, seed: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.routing_simulation", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", choices=sorted(WORKLOADS), action="append")
-    parser.add_argument("--index", choices=("approximate", "precise"), action="append")
+    parser.add_argument("--index", choices=("round_robin", "oracle", "approximate", "precise"), action="append")
     parser.add_argument("--blocks", type=int, default=48)
     parser.add_argument("--block-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=0, help="default: the workload's")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--lag", action="store_true", help="KV events arrive when the request is done, not at once")
+    parser.add_argument("--weights", default="", help="scorer weights over the defaults, e.g. outstanding=4")
     args = parser.parse_args()
     for workload in args.workload or sorted(WORKLOADS):
         concurrency = args.concurrency or WORKLOADS[workload].concurrency
         for seed in range(args.seeds):
-            print(oracle(workload, blocks=args.blocks, block_tokens=args.block_tokens, seed=seed))
-            for index in args.index or ("approximate", "precise"):
+            weights = {k: float(v) for k, v in (p.split("=") for p in args.weights.split(",") if p)}
+            for index in args.index or ("round_robin", "oracle", "approximate", "precise"):
                 out = simulate(
                     workload,
                     index,
@@ -187,6 +219,8 @@ def main() -> None:
                     block_tokens=args.block_tokens,
                     concurrency=concurrency,
                     seed=seed,
+                    lag=args.lag,
+                    weights=weights,
                 )
                 print(out)
 

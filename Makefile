@@ -109,8 +109,8 @@ bench: install ## Gateway (1 and 2 workers) vs direct vs vllm-router on a stand-
 loadtest: install ## Run the itinerary scenario against `make run`'s gateway (its /metrics sampled for KV-cache usage)
 	$(BIN)/python -m loadtest --url http://127.0.0.1:8000 --model tiny --scenario itinerary --record-header x-trim-status --metrics-url http://127.0.0.1:8000/metrics --output loadtest/out
 
-routing-experiment: install ## The headline routing run's configuration (run f: two rounds, replicas pinned to a core each; ~35 min on 2 cores) into a new folder of loadtest/results/cache-aware-routing/
-	$(BIN)/python -m bench.routing_experiment --rounds 2 --pin-engines
+routing-experiment: install ## Issue 34's routing run (run g): both workloads, round robin, both indexes, vllm-router cache_aware and kv_aware, oracle; three rounds, replicas pinned (~16 min on 2 busy cores) into a new folder of loadtest/results/cache-aware-routing/
+	$(BIN)/python -m bench.routing_experiment --rounds 3 --pin-engines
 
 compose: $(LIGHT_STAMP) ## Regenerate docker/compose.yaml + prometheus.yml from configs/gateway.gpu.yaml
 	$(BIN)/python -m server compose --config configs/gateway.gpu.yaml --output docker/compose.yaml

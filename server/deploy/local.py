@@ -28,6 +28,7 @@ from server.deploy.plan import DeploymentPlan, plan_deployment
 from server.engine.supervisor import EngineStartError, EngineSupervisor, prepare
 from server.gateway.app.auth import load_admin_keys, load_api_keys, load_tenants
 from server.gateway.app.hooks import load_hook
+from server.gateway.conversations.store import check_store
 from server.gateway.serving import configure_logging, run
 from server.gateway.serving import serve as serve_gateway
 from server.gateway.settings import GatewaySettings, load_settings, worker_count
@@ -108,6 +109,7 @@ def _load(
     load_tenants(settings, admin_keys=load_admin_keys(settings.auth))
     load_cache_salts(settings)  # an isolated tenant's salt secret
     load_api_keys(settings.auth, base=settings.source.parent if settings.source else None)
+    check_store(settings.responses_store, base=settings.source.parent if settings.source else None)  # refused once
     workers = workers or os.environ.get(WORKERS_ENV) or None
     if workers is not None:
         settings.workers = worker_count(workers)  # SettingsError for a bad value

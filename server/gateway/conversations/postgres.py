@@ -60,6 +60,7 @@ class PostgresStore:
 
     def __init__(self, url: str, *, max_size: int = 10) -> None:
         self.description = _redacted(url)
+        self._url = url
         self._pool = AsyncConnectionPool(
             url,
             min_size=1,
@@ -75,6 +76,10 @@ class PostgresStore:
 
     async def open(self) -> None:
         try:
+            # One connection first: its error says why (refused, no such database, bad password),
+            # where the pool's would only say that it timed out.
+            connection = await psycopg.AsyncConnection.connect(self._url, connect_timeout=int(CONNECT_TIMEOUT))
+            await connection.close()
             await self._pool.open(wait=True, timeout=CONNECT_TIMEOUT)
             async with self._pool.connection() as db, db.transaction():
                 await db.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
@@ -94,7 +99,8 @@ class PostgresStore:
                 await db.execute("UPDATE schema_version SET version = %s", (migrations.CURRENT,))
         except (psycopg.Error, PoolTimeout, OSError) as exc:
             await self._pool.close()
-            raise StoreUnavailable(f"The response store ({self.description}) cannot be opened: {exc}") from None
+            reason = str(exc).strip().replace(self._url, self.description)[:500]
+            raise StoreUnavailable(f"The response store ({self.description}) cannot be opened: {reason}") from None
 
     async def _execute(self, query: str, params: dict[str, Any]) -> psycopg.AsyncCursor[Any]:
         async with self._pool.connection() as db:

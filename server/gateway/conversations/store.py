@@ -8,11 +8,14 @@ A response whose retention ended (`expires_at`) is absent too, before the purge 
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
+from server.config import SettingsError
+from server.gateway.conversations.errors import StoreUnavailable
 from server.gateway.conversations.records import StoredResponse
 from server.gateway.settings import ResponsesStore
 
@@ -68,7 +71,6 @@ def open_store(
             return SqliteStore(Path(environ.get(DATA_DIR_ENV) or "data") / "responses.sqlite3")
         path = config.path if config.path.is_absolute() or base is None else base / config.path
         return SqliteStore(path)
-    from server.gateway.conversations.errors import StoreUnavailable
     from server.gateway.conversations.postgres import PostgresStore
 
     url = environ.get(config.url_env, "")
@@ -77,3 +79,23 @@ def open_store(
             f"responses_store.backend is postgres but the variable {config.url_env} (its URL) is not set."
         )
     return PostgresStore(url)
+
+
+def check_store(config: ResponsesStore, *, environ: Mapping[str, str] | None = None, base: Path | None = None) -> None:
+    """Open and close the store once, before any gateway worker starts (`serve`, `up`): a database
+    that cannot be reached or migrated refuses the start once, with the reason (SettingsError),
+    instead of every worker failing its start-up in the supervisor's restart loop."""
+
+    async def check() -> None:
+        store = open_store(config, environ=environ, base=base)
+        if store is None:
+            return
+        try:
+            await store.open()
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(check())
+    except StoreUnavailable as exc:
+        raise SettingsError(exc.message) from None

@@ -96,6 +96,8 @@ def tenant_variant(name: str, limited: bool, store: Any) -> Variant:
 
     async def call() -> None:
         ticket, _ = await runtime.enter("tiny", BODY, RAW_LENGTH)
+        if ticket is not None and not ticket.checked:
+            raise RuntimeError(f"{name}: the store could not be asked (unchecked): the figures would be wrong")
         if ticket is not None:
             ticket.settle(70)
 

@@ -32,11 +32,11 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
 from urllib.parse import urlsplit
 
 from server.gateway.settings import QuotaStore
 from server.gateway.tenants.counters import OK, UNCHECKED, Limits, Outcome, QuotaStoreUnavailable
+from server.gateway.tenants.resp import RespClient
 
 log = logging.getLogger("gateway")
 
@@ -44,7 +44,6 @@ PREFIX = "gateway:quota:"
 SLOT_LEASE = 10.0  # seconds a concurrency slot outlives its gateway's last renewal
 SLOT_RENEW = 3.0  # seconds between two renewals of a gateway's slots
 TIMEOUT = 2.0  # seconds for a connection or an answer; past it the store is taken as down
-CONNECTIONS = 8  # per gateway process
 RETRY_AFTER = 1.0  # seconds without asking after a failure (fail open meanwhile)
 WARN_EVERY = 10.0  # seconds between two warnings while Redis stays unreachable
 
@@ -151,31 +150,11 @@ def redis_url(config: QuotaStore, environ: Mapping[str, str]) -> str:
     return url
 
 
-def _client(url: str) -> Any:
-    """A client of at most CONNECTIONS connections, kept open: a burst of requests waits its turn
-    for one (a script takes well under a millisecond) instead of opening a connection each."""
-    import redis.asyncio
-    from redis.asyncio.retry import Retry
-    from redis.backoff import NoBackoff
-
-    pool = redis.asyncio.BlockingConnectionPool.from_url(
-        url,
-        max_connections=CONNECTIONS,
-        timeout=TIMEOUT,  # waiting for a free connection
-        socket_timeout=TIMEOUT,
-        socket_connect_timeout=TIMEOUT,
-        retry=Retry(NoBackoff(), 0),  # a failure is an answer here (fail open), not worth seconds of retries
-        health_check_interval=0,
-        decode_responses=True,
-    )
-    return redis.asyncio.Redis.from_pool(pool)  # closing the client closes its pool
-
-
 async def check_redis(url: str) -> None:
     """PING the server of `url`, or QuotaStoreUnavailable with the reason."""
-    client = _client(url)
+    client = RespClient(url, TIMEOUT)
     try:
-        await client.ping()
+        await client.call("PING")
     except Exception as exc:
         raise QuotaStoreUnavailable(f"cannot reach the Redis server at {where(url)}: {_reason(exc)}") from None
     finally:
@@ -183,7 +162,7 @@ async def check_redis(url: str) -> None:
 
 
 def _reason(exc: BaseException) -> str:
-    """What went wrong, in redis-py's words (they name host and port, never the URL's password)."""
+    """What went wrong (the client's and the OS's words name no password)."""
     return str(exc) or type(exc).__name__
 
 
@@ -201,14 +180,14 @@ class RedisCounters:
     ) -> None:
         self.url = url
         self.where = where(url)
-        self.client = _client(url)
+        self.client = RespClient(url, TIMEOUT)
         self.lease, self.renew_every, self.clock = lease, renew, clock
         self.unchecked = unchecked  # counts a request let in without asking (the metric)
         self.id = f"{os.uname().nodename}:{os.getpid()}:{os.urandom(4).hex()}"
         self._serial = itertools.count()
-        self._admit = self.client.register_script(ADMIT)
-        self._settle = self.client.register_script(SETTLE)
-        self._renew = self.client.register_script(RENEW)
+        self._admit = self.client.script(ADMIT)
+        self._settle = self.client.script(SETTLE)
+        self._renew = self.client.script(RENEW)
         self.held: dict[str, set[str]] = {}  # tenant -> slots of this process's requests in flight
         self._pending: set[asyncio.Task[None]] = set()
         self._renewer: asyncio.Task[None] | None = None

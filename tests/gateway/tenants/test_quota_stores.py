@@ -9,6 +9,7 @@ import logging
 import math
 import random
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from server.gateway.settings import GatewaySettings, TenantLimits
-from server.gateway.tenants import counters_redis
+from server.gateway.tenants import counters_redis, resp
 from server.gateway.tenants.counters import (
     CONCURRENT,
     OK,
@@ -290,3 +291,26 @@ async def test_no_start_without_the_url_or_without_an_answer_and_never_the_passw
     tenants[0]["limits"] = {}
     unlimited = GatewaySettings.model_validate({"tenants": tenants, "quota_store": {"backend": "redis"}})
     await check_quota_store(unlimited, {})  # nobody has limits: nothing to count, no server needed
+
+
+async def test_a_server_that_never_answers_is_taken_as_down(monkeypatch):
+    monkeypatch.setattr(counters_redis, "TIMEOUT", 0.3)
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog), answers nothing
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        store = RedisCounters(f"redis://127.0.0.1:{silent.getsockname()[1]}/0")
+        try:
+            assert (await store.take("t", limits(requests_per_minute=5), 1)).verdict == UNCHECKED
+        finally:
+            await store.aclose()
+
+
+def test_the_resp_reader_waits_for_whole_answers_and_reads_every_kind():
+    answer = b"*4\r\n$2\r\nok\r\n$1\r\n0\r\n:7\r\n*2\r\n+PONG\r\n$-1\r\n"
+    for cut in range(len(answer)):
+        with pytest.raises(resp._Incomplete):
+            resp.parse(answer[:cut], 0)
+    assert resp.parse(answer, 0) == (["ok", "0", 7, ["PONG", None]], len(answer))
+    error, _ = resp.parse(b"-NOSCRIPT No matching script\r\n", 0)
+    assert isinstance(error, resp.RespError) and str(error).startswith("NOSCRIPT")
+    assert resp.encode(("EVALSHA", "ab", 2, 1.5)) == b"*4\r\n$7\r\nEVALSHA\r\n$2\r\nab\r\n$1\r\n2\r\n$3\r\n1.5\r\n"

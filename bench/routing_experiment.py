@@ -112,6 +112,7 @@ class Phase:
     label: str
     base: str  # one of POLICIES
     routing: dict[str, Any] | None  # None: the oracle (no gateway)
+    code: str | None = None  # the gateway of this commit instead of --code's (`--before`)
 
 
 def parse_weights(text: str) -> dict[str, float]:
@@ -130,8 +131,15 @@ def parse_weights(text: str) -> dict[str, float]:
     return out
 
 
-def phases(policies: list[str], weights: list[dict[str, float]], weights_index: str) -> list[Phase]:
-    out = [Phase(p, p, POLICIES[p]) for p in policies]
+def phases(
+    policies: list[str], weights: list[dict[str, float]], weights_index: str, before: str | None = None
+) -> list[Phase]:
+    """Each policy; with `before`, each cache-aware one again with that commit's gateway, beside it."""
+    out = []
+    for p in policies:
+        out.append(Phase(p, p, POLICIES[p]))
+        if before and p in CACHE_AWARE:
+            out.append(Phase(f"{p}@{before}", p, POLICIES[p], code=before))
     defaults = Weights().model_dump()
     for variant in weights:
         label = f"{weights_index}[{','.join(f'{k}={v:g}' for k, v in variant.items())}]"
@@ -402,10 +410,13 @@ def routing_counts(log: Path) -> tuple[dict[str, int], dict[str, int]]:
 
 async def run_phase(
     phase: Phase, round_: int, *, args: argparse.Namespace, config: Path, workdir: Path, processes: Processes,
-    engines: list[str], model: str, conversations: list[Session], code: Path, workload: str = "tenants",
+    engines: list[str], model: str, conversations: list[Session], code: Path | dict[str | None, Path],
+    workload: str = "tenants",
     concurrency: int = 4,
 ) -> PhaseResult:  # fmt: skip
     label = f"{workload}: {phase.label} (round {round_})"
+    if isinstance(code, dict):
+        code = code[phase.code]
     result = PhaseResult(phase.label, phase.base, round_, workload=workload)
     async with httpx.AsyncClient(timeout=30, trust_env=False) as admin:
         await reset_prefix_caches(admin, engines)
@@ -634,6 +645,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run cache_aware with these scorer weights over the defaults (repeatable), e.g. balance=0",
     )  # fmt: skip
     parser.add_argument("--weights-index", choices=CACHE_AWARE, default="precise", help="index of the --weights runs")
+    parser.add_argument(
+        "--before", default=None, metavar="COMMIT",
+        help="also run each cache-aware policy with this commit's gateway, right after it (a before/after pair)",
+    )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=1, help="repeat every policy this many times (same engines)")
     parser.add_argument(
         "--concurrency",
@@ -710,7 +725,7 @@ async def experiment(args: argparse.Namespace, argv: list[str]) -> int:
         return 2
     args.output = output
     conversations = {name: ordered_sessions(spec) for name, spec in specs.items()}
-    todo = phases(policies, args.weights, args.weights_index)
+    todo = phases(policies, args.weights, args.weights_index, args.before)
     workdir = Path(tempfile.mkdtemp(prefix="routing-experiment-"))
     say(f"logs and derived configs in {workdir}")
     config = derived_config(
@@ -788,7 +803,10 @@ async def run_all(
     results: list[PhaseResult], meta: dict[str, Any],
 ) -> None:  # fmt: skip
     """Start the engines, run every phase of every round, stop the engines (on any exit)."""
-    code = gateway_code(workdir, args.code)
+    code: dict[str | None, Path] = {None: gateway_code(workdir, args.code)}
+    for phase in todo:
+        if phase.code is not None and phase.code not in code:
+            code[phase.code] = gateway_code(workdir, phase.code)
     supervisors = await start_engines(plan, pin=args.pin_engines)
     try:
         with Processes(workdir) as processes:

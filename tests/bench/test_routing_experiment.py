@@ -200,3 +200,12 @@ def test_the_command_line_has_the_workload_options():
     assert args.tenants == 3 and args.weights == [{"balance": 1.0}] and args.rounds == 2
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--weights", "balance=-1"])
+
+
+def test_before_adds_each_cache_aware_policy_again_with_that_commits_gateway_right_after_it():
+    todo = phases(["round_robin", "approximate", "precise", "oracle"], [], "precise", "abc1234")
+    assert [p.label for p in todo] == [
+        "round_robin", "approximate", "approximate@abc1234", "precise", "precise@abc1234", "oracle"
+    ]  # fmt: skip
+    assert todo[2].base == "approximate" and todo[2].code == "abc1234" and todo[1].code is None
+    assert todo[2].routing == todo[1].routing

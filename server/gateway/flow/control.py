@@ -130,6 +130,16 @@ class FlowControl:
 
     # -- the request's side -----------------------------------------------------------------------
 
+    def pass_now(self, pool: ModelPool, tenant: str, klass: Class) -> Pass | None:
+        """Admit at once when the model has room and nobody waits (or it has no engine: routing
+        answers 503), else None (then `enter`). Nothing is charged before the answer settles: the
+        cost estimate is only worked out for a request that waits (flow.gate)."""
+        queue = self._queue(pool)
+        if queue.total or (self._room(queue, klass) <= 0 and pool.healthy_count):
+            return None
+        now = self.clock()
+        return self._admit(queue, tenant, klass, 0.0, now, now)
+
     async def enter(self, pool: ModelPool, tenant: str, klass: Class, cost: float) -> Pass:
         """Wait until `pool`'s engines have room for this request (at once when they do); raises
         QueueRefused, or CancelledError when the request's task is cancelled while it waits."""

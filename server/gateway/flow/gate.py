@@ -43,25 +43,36 @@ class FlowGate:
         """Tenants' requests that make an engine work (not GETs of a stored response)."""
         return record.tenant is not None and request.endpoint.method == "POST" and not request.endpoint.fan_out
 
-    async def enter(
-        self, pool: ModelPool, request: GatewayRequest, record: RequestRecord, prompt: PromptView | None
-    ) -> tuple[Pass, PromptView | None]:
-        """Wait for room (flow.control); the prompt view routing is to record (one replica too,
-        so the prefix index knows what the engine holds)."""
+    def pass_now(self, pool: ModelPool, request: GatewayRequest, record: RequestRecord) -> Pass | None:
+        """The request's class (and vLLM's `priority`), and its pass when the model has room
+        now: the path of every request while the engines are not full, so no prompt is read
+        and nothing is estimated on it. None: it must wait (`wait`)."""
         tenant = record.tenant
         assert tenant is not None
         klass = request_class(self.classes.get(tenant, "standard"), request.header(PRIORITY_HEADER))
         record.priority = klass
+        if pool.name in self.priority_models and request.endpoint.name in PRIORITY_ENDPOINTS:
+            request.replace_body({**request.body, "priority": VLLM_PRIORITY[klass]})
+        held = self.control.pass_now(pool, tenant, klass)
+        if held is not None:
+            record.queued_s = 0.0
+        return held
+
+    async def wait(
+        self, pool: ModelPool, request: GatewayRequest, record: RequestRecord, prompt: PromptView | None
+    ) -> tuple[Pass, PromptView | None]:
+        """Wait for room (flow.control), charged its estimated cost; the prompt view routing is to
+        record (one replica too, so the prefix index knows what the engine holds)."""
+        tenant, klass = record.tenant, record.priority
+        assert tenant is not None and klass in VLLM_PRIORITY
         if prompt is None and request.endpoint.model_from == "json":
             prompt = await pool.cache.read(
                 pool.name, request.body, pool.engines, precise=False, adapter=request.adapter
             )
         cost = self._uncached_tokens(pool, prompt) + _output_tokens(request.body, self.control)
-        if pool.name in self.priority_models and request.endpoint.name in PRIORITY_ENDPOINTS:
-            request.replace_body({**request.body, "priority": VLLM_PRIORITY[klass]})
         started = perf_counter()
         try:
-            held = await self.control.enter(pool, tenant, klass, cost)
+            held = await self.control.enter(pool, tenant, klass, cost)  # type: ignore[arg-type]
         finally:
             record.queued_s = perf_counter() - started
         held.chars = prompt.chars if prompt is not None else 0

@@ -124,7 +124,9 @@ class Exchange(ClientAnswer):
         flow = self.context.flow
         if flow is not None and flow.applies(self.request, self.record):
             # The gate (server.gateway.flow): straight on while the engines have room, else queued.
-            held, prompt = await flow.enter(pool, self.request, self.record, prompt)
+            held = flow.pass_now(pool, self.request, self.record)
+            if held is None:
+                held, prompt = await flow.wait(pool, self.request, self.record, prompt)
             try:
                 await self._route(pool, key, prompt)
             finally:
@@ -332,6 +334,9 @@ class Exchange(ClientAnswer):
                         "more_body": True,
                     }
                 )
+        except BaseException:  # the client left (often right after [DONE]) or a deadline: the usage seen still counts
+            record.usage = scanner.usage
+            raise
         # asyncio.CancelledError (a deadline) passes: its error event follows self.last (see run)
         if deadlines is not None:
             deadlines.disarm()

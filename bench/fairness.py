@@ -292,6 +292,24 @@ def backlogged_shares(results: list[dict]) -> dict[str, Any]:
     }
 
 
+def slot_shares(results: list[dict], first: int) -> dict[str, Any]:
+    """Each tenant's share of the engine slots handed out while both had requests waiting: the
+    requests started (first token) after the first `first` (those went in at once, before light's
+    requests arrived: nothing preempts them), up to the last start of the tenant whose backlog
+    ended first. Tokens: each request's served tokens (same shape for both)."""
+    starts = [(started_at(r), r) for r in results]
+    ranked = sorted(((s, r) for s, r in starts if s is not None), key=lambda pair: pair[0])
+    waited = ranked[first:]
+    last = {t: max((s for s, r in waited if r["tag"] == t), default=None) for t in ("heavy", "light")}
+    if None in last.values():
+        return {"slots": None, "share": {"heavy": None, "light": None}}
+    end = min(v for v in last.values() if v is not None)
+    slots = {t: sum(1 for s, r in waited if r["tag"] == t and s <= end) for t in ("heavy", "light")}
+    tokens = {t: sum(served_tokens(r) for s, r in waited if r["tag"] == t and s <= end) for t in ("heavy", "light")}
+    total = sum(tokens.values())
+    return {"slots": slots, "tokens": tokens, "share": {t: tokens[t] / total if total else None for t in tokens}}
+
+
 async def fair(gateway: str, engine: str, args: Any, run: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     async with new_client() as client:
@@ -329,6 +347,7 @@ async def fair(gateway: str, engine: str, args: Any, run: int) -> dict[str, Any]
             for i, r in enumerate(results):
                 r["tag"] = "heavy" if i < len(heavy) else "light"
             figures = backlogged_shares(results)
+            figures["slots"] = slot_shares(results, 32 if url == engine else 32 - 2)  # the gate's batch headroom: 2
             figures["median_latency_s"] = {
                 t: median(r["done"] - r["sent"] for r in results if r["tag"] == t) for t in ("heavy", "light")
             }
@@ -517,6 +536,11 @@ def chapter_lines(chapters: list[dict[str, Any]]) -> list[str]:
     return [*lines, ""]
 
 
+def slot_share(figures: dict[str, Any], tenant: str) -> float | None:
+    """`slot_shares` of a fair phase, from its requests when the run predates the figure."""
+    return figures["slots"]["share"][tenant] if "slots" in figures else None
+
+
 def fair_lines(fairs: list[dict[str, Any]]) -> list[str]:
     def both(get: Any, digits: int = 2) -> tuple[str, str]:
         return stat([get(f["gateway"]["figures"]) for f in fairs], digits), stat(
@@ -532,6 +556,13 @@ def fair_lines(fairs: list[dict[str, Any]]) -> list[str]:
         lines.append(row(f"{tenant}'s median latency (s)", *both(lambda f, t=tenant: f["median_latency_s"][t], 1)))
         lines.append(row(f"{tenant}'s median TTFT (s)", *both(lambda f, t=tenant: f["median_ttft_s"][t], 1)))
     lines.append(row("light first served after (s)", *both(lambda f: f.get("light_first_served_s"), 1)))
+    for tenant in ("light", "heavy"):
+        lines.append(
+            row(
+                f"{tenant}'s share of the slots handed out while both waited (slot_shares)",
+                *both(lambda f, t=tenant: slot_share(f, t)),
+            )
+        )
     lines.append(row("makespan (s)", *both(lambda f: f["makespan_s"], 1)))
     failed = sum(f[p]["figures"]["failed"] for f in fairs for p in ("gateway", "direct"))
     return [*lines, row("failed", str(failed), ""), ""]
@@ -599,7 +630,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fair-tokens", type=int, default=32)
     parser.add_argument("--uncached-requests", type=int, default=40, help="per tenant")
     parser.add_argument("--prompt-chars", type=int, default=1200)
+    parser.add_argument("--render", help="re-render OUTPUT/fairness.md from this fairness.json (figures added since)")
     args = parser.parse_args(argv)
+    if args.render:
+        report = json.loads(Path(args.render).read_text())
+        for entry in report["runs"]:
+            for phase, first in (("gateway", 30), ("direct", 32)):
+                data = entry.get("fair", {}).get(phase)
+                if data is not None:
+                    data["figures"]["slots"] = slot_shares(data["requests"], first)
+        write(report, Path(args.output))
+        return 0
     return asyncio.run(main_async(args))
 
 

@@ -9,7 +9,9 @@
 A create with `store` (the default) or a `previous_response_id` is stateful: the chain is read
 from the store (conversations.store), its whole input built (records.chain_input) and sent with
 `store: false` and no `previous_response_id`, through the same steps as any proxied request
-(auth, tenants' quotas, history trimming, cache-aware routing to any replica: app.proxied);
+(auth, tenants' quotas, history trimming, cache-aware routing to any replica: app.proxied), with
+the conversation's first response id as its routing session (`routing.session_header`, unless the
+client sent one), so its turns keep finding their prefix in one replica's cache while it serves;
 the answer is read on its way to the client (conversations.answer) and recorded once it ends:
 `completed`/`incomplete`/`failed` as the engine said, `incomplete` when the stream was cut short
 (a client that left, an engine that died), nothing when the engine refused the request.
@@ -201,7 +203,7 @@ class ResponsesApi:
         if plan is None:  # stateless: the engine's answer as it is, the store untouched
             await self.proxied.handle(CREATE, scope, replay(raw, receive), send)
             return
-        engine_body, response_id, chain_ids = plan
+        engine_body, response_id, root = plan
         mark_authenticated(send, keys_checked=bool(self.proxied.keys))
         previous = body.get("previous_response_id")
         store = body.get("store", True) is not False
@@ -213,16 +215,19 @@ class ResponsesApi:
         sent = dumps(engine_body)
         scope = dict(scope, headers=[(k, v) for k, v in headers if k.lower() != b"content-length"])
         scope["headers"].append((b"content-length", str(len(sent)).encode()))
+        session = self.proxied.proxy.context.settings.routing.session_header.lower().encode()
+        if not any(k.lower() == session for k, _ in headers):  # one conversation, one routing session (its first id)
+            scope["headers"].append((session, root.encode()))
         try:
             await self.proxied.handle(CREATE, scope, replay(sent, receive), tap)
         finally:
             if store and tap.status == 200:
                 record = self._record(tenant, body, response_id, tap)
                 await asyncio.shield(self._save(record, rid))
-        log.debug("response %s stored on a chain of %d", response_id, chain_ids)
 
-    async def _plan(self, tenant: str, body: dict[str, Any]) -> tuple[dict[str, Any], str, int] | None:
-        """The engine's body, the new response's id and the chain's length; None for a stateless request."""
+    async def _plan(self, tenant: str, body: dict[str, Any]) -> tuple[dict[str, Any], str, str] | None:
+        """The engine's body, the new response's id and its conversation's first id; None for a
+        stateless request."""
         store = body.get("store", True)
         if not isinstance(store, bool):
             raise wrong_type("store", "a boolean", store)
@@ -250,7 +255,7 @@ class ResponsesApi:
             engine_body["input"] = chain_input(chain, body.get("input"))
         engine_body["store"] = False
         engine_body["request_id"] = response_id  # vLLM names the response after it
-        return engine_body, response_id, len(chain)
+        return engine_body, response_id, chain[0].id if chain else response_id
 
     async def _refuse(self, send: Send, exc: GatewayError, rid: str, model: Any, tenant: str) -> None:
         """A create refused before any engine: answered in the envelope, counted and logged like the

@@ -36,8 +36,10 @@ difference into the full weight and drown the cache scores). The load bound stay
 a replica with `max_imbalance` or more outstanding requests above the least loaded one is not a
 candidate; nor, once the window holds `min_window` requests, is a replica whose share of it is
 above `max_share` (the split guard: the requests it took recently would make it more than
-`max_split` times another's), unless every candidate is. Neither the guard nor `spread` applies
-to a request with a session id or `user`: it keeps its replica within the load bound, as before.
+`max_split` times another's), unless every candidate is. Both `spread` and the guard stay out
+of a decision where the candidates' in-flight counts differ by `STALL_REQUESTS` (2) or more
+(those counts tell the loads apart; a stalled replica's share falls while its requests hang), and
+from a request with a session id or `user`: it keeps its replica within the load bound, as before.
 Ties go to the caller's rotating turn.
 
 The decision says why: the reason is the scorer that contributed most to the winner's lead over
@@ -58,6 +60,11 @@ from server.gateway.settings import Weights
 
 SCORERS = ("prefix", "balance", "fit", "kv_usage", "queue", "outstanding", "spread", "session")
 SHARED_BLOCK_WEIGHT = 0.1  # a block of a hot shared prefix, against 1 for a block that tells prompts apart
+# The window (`spread`, the split guard) is for when in-flight counts cannot tell replicas apart:
+# once one candidate has this many more requests in flight than another, they can, and the window
+# stays out. A replica that stalls (its requests do not finish) takes fewer new ones, so its share of
+# the window falls: the window must not pile every client onto it.
+STALL_REQUESTS = 2
 _EPSILON = 1e-9
 
 
@@ -224,6 +231,8 @@ def choose_scored(
         window = 0  # a session's requests keep their replica (load bound only); a few requests say little
     least = min(c.engine.outstanding for c in candidates)
     eligible = [c for c in candidates if c.engine.outstanding - least < max_imbalance]
+    if max(c.engine.outstanding for c in eligible) - least >= STALL_REQUESTS:
+        window = 0  # in-flight counts tell the loads apart: the window must not pull toward a stalled replica
     split_bound = False
     if window and len(candidates) > 1:
         limit = max_share(len(candidates), max_split) * window

@@ -147,3 +147,14 @@ def test_the_guard_never_leaves_no_candidate():
         [Candidate(a, recent=40), Candidate(b, recent=40)], weights=Weights(), window=48, max_split=1.0
     )
     assert decision is not None and decision.reason == "tie"
+
+
+def test_the_guard_never_piles_requests_onto_a_replica_whose_requests_hang():
+    # B stalls: its requests do not finish, so its share of the window falls while A's grows.
+    a, stalled = E("a", 0), E("b", 2)
+    candidates = [Candidate(a, recent=36), Candidate(stalled, recent=12)]
+    decision = choose_scored(candidates, weights=Weights(), window=48)
+    assert decision is not None and decision.engine is a and decision.reason != "split_bound"
+    one_more = [Candidate(E("a", 0), recent=36), Candidate(E("b", 1), recent=12)]
+    guarded = choose_scored(one_more, weights=Weights(), window=48)
+    assert guarded is not None and guarded.engine.id == "b" and guarded.reason == "split_bound"  # two in flight

@@ -12,7 +12,7 @@ CONFIG ?= configs/gateway.yaml
 PROFILE ?= configs/profiles/tiny-cpu.yaml
 PYTEST_ARGS ?=
 
-.PHONY: help install run engine tiny-model lint format docs test test-fast test-busy bench loadtest routing-experiment up down up-cpu down-cpu compose compose-cpu compose-dns dclint helm-values prometheus redis clean
+.PHONY: help install run engine tiny-model lint format docs test test-fast test-busy bench loadtest routing-experiment up down up-cpu down-cpu compose compose-cpu compose-dns dclint helm-values prometheus redis postgres clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -63,6 +63,11 @@ redis: ## Install redis-server (Debian package) if missing: the tests of quotas 
 	  echo "==> installing Debian package redis-server"; \
 	  apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 
+postgres: ## Install PostgreSQL (Debian package) if missing: the tests of the response store start a real server (initdb)
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { \
+	  echo "==> installing Debian package postgresql"; \
+	  apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; }
+
 run: install ## Launch the engines of $(CONFIG) and the gateway on port 8000
 	$(BIN)/python -m server up --config $(CONFIG)
 
@@ -88,7 +93,7 @@ format: install ## Apply ruff's formatting and safe fixes
 docs: install ## Build the docs site with mkdocs --strict into .cache/site (a broken link or anchor fails)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir .cache/site
 
-test: install prometheus redis lint docs $(DCLINT_STAMP) ## Lint and type check, build the docs, then the whole test suite (starts one real vLLM engine)
+test: install prometheus redis postgres lint docs $(DCLINT_STAMP) ## Lint and type check, build the docs, then the whole test suite (starts one real vLLM engine)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: install redis $(DCLINT_STAMP) ## Tests that need no real engine and no Prometheus

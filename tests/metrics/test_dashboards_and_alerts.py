@@ -19,6 +19,7 @@ from server.gateway.replicas.engine import Engine
 from server.gateway.replicas.kv_events import KvEventsCollector
 from server.gateway.replicas.precise import PreciseIndex
 from server.gateway.replicas.scraper import parse_engine_metrics
+from tests.gateway.flow.samples import populated_flow_collector
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((ROOT / "docker" / "grafana" / "dashboards").glob("*.json"))
@@ -69,6 +70,7 @@ def exported_names() -> set[str]:
     index.set_live(engine.id, True)
     index.purge(engine.id, "gap")
     metrics.registry.register(KvEventsCollector(index, {engine.id: "tiny"}))
+    metrics.registry.register(populated_flow_collector(engine))  # gateway_flow_* (server.gateway.flow)
     text = generate_latest(metrics.registry).decode()
     return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
 

@@ -12,10 +12,11 @@ envelope and metrics without more code.
     model_from     the model is ...                                  entries
     json           the body's `model` field                          most
     form           the `model` field of a multipart/urlencoded form  audio (body limit: max_upload_bytes)
-    response_id    the engine that stored `{response_id}`            retrieve, cancel of a response
+    response_id    none: answered by the gateway's store             retrieve, cancel of a response
 
-Responses: `stores_responses` makes the gateway choose the response id (`request_id` in the body)
-so that it names the engine (edge.responses), and route a `previous_response_id` to that engine.
+Responses: the gateway keeps stored responses itself (app.responses, server.gateway.conversations):
+a create reaches the proxy stateless (`store: false`, the whole input, a `request_id` the gateway
+chose), and the retrieve and cancel entries are answered from the store before the proxy.
 `fan_out` entries (runtime LoRA) go to every replica of the model, behind the admin key.
 The paths are vLLM 0.32's (vllm/entrypoints/**/api_router.py, registered by
 vllm/entrypoints/launchers/api_server/routers.py); an engine that does not serve one (a chat
@@ -48,7 +49,7 @@ class Endpoint:
     method: str = "POST"
     model_from: ModelSource = "json"
     stream_format: StreamFormat = CHAT
-    stores_responses: bool = False  # Responses create: the gateway picks response ids; previous_response_id pins
+    stores_responses: bool = False  # Responses create (its state is the gateway's: app.responses)
     fan_out: bool = False  # sent to every replica of the model; needs the admin key
     usage_option: bool = False  # takes `stream_options.include_usage` (the proxy always asks: proxy.hidden_usage)
 

@@ -32,8 +32,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from bench.procs import PYTHON, Processes, commit_of, free_port, gateway_code, wait_chat_ready
+from bench.procs import PYTHON, Processes, commit_of, free_port, gateway_code
 from bench.proxy_bench import report_header, write_report
+from bench.workers_bench import TENANT_KEY, TENANTS_CONFIG
 
 MODEL = "tiny"
 TRACER = """
@@ -59,11 +60,13 @@ if os.environ.get("REQUEST_WORK_OUT"):
 """
 
 
-def request_bytes(stream: bool) -> bytes:
+def request_bytes(stream: bool, key: str | None = None) -> bytes:
     body = json.dumps(
         {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "stream": stream, "max_tokens": 8}
     ).encode()
     head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+    if key is not None:  # sent to both gateways alike (one without tenants ignores it)
+        head += b"authorization: Bearer %s\r\n" % key.encode()
     return head + b"content-length: %d\r\n\r\n" % len(body) + body
 
 
@@ -140,12 +143,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rename", action="append", default=[], metavar="OLD=NEW", help="a file that moved (compared as one)"
     )
+    parser.add_argument(
+        "--after-tenants",
+        action="store_true",
+        help="the after gateway with bench.workers_bench's two tenants (quotas set, none reached); both sent its key",
+    )
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)
     renames = dict(item.split("=", 1) for item in args.rename)
 
     report = report_header()
     report.update(before=commit_of(args.before), after=commit_of(args.after), requests=args.requests, modes={})
+    report["after_tenants"] = args.after_tenants
+    key = TENANT_KEY if args.after_tenants else None
     with tempfile.TemporaryDirectory(prefix="request-work-") as tmp, Processes(Path(tmp)) as procs:
         site = Path(tmp) / "site"
         site.mkdir()
@@ -164,21 +174,23 @@ def main(argv: list[str] | None = None) -> int:
             port = free_port()
             out = Path(tmp) / f"{side}.json"
             env = {"PYTHONPATH": f"{code}{os.pathsep}{site}", "REQUEST_WORK_OUT": str(out)}
-            started = procs.start(
-                f"gateway-{side}",
-                [PYTHON, "-P", "-m", "server", "serve", "--upstream", f"{MODEL}={engine_url}", "--port", str(port),
-                 "--workers", "1"],
-                core=None,
-                env=env,
-            )  # fmt: skip
+            argv = [PYTHON, "-P", "-m", "server", "serve", "--upstream", f"{MODEL}={engine_url}", "--port", str(port),
+                    "--workers", "1"]  # fmt: skip
+            if side == "after" and args.after_tenants:
+                config = Path(tmp) / "tenants.gateway.yaml"
+                config.write_text(json.dumps(TENANTS_CONFIG))  # JSON is YAML
+                argv += ["--config", str(config)]
+            started = procs.start(f"gateway-{side}", argv, core=None, env=env)
             gateways[side] = (started, port, out, [str(code) + "/", *site_roots()])
         for side, (started, port, _, _) in gateways.items():
-            problem = wait_chat_ready(started, f"http://127.0.0.1:{port}", MODEL, timeout=120)
-            if problem:
-                raise SystemExit(f"the {side} gateway did not start: {problem}\n{started.log_tail()}")
+            ready = Client(port) if wait_listening(started, port) else None
+            if ready is None:
+                raise SystemExit(f"the {side} gateway did not start:\n{started.log_tail()}")
+            ready.ask(request_bytes(True, key), True)
+            ready.close()
         del engine
         for mode, stream in (("stream", True), ("whole", False)):
-            request = request_bytes(stream)
+            request = request_bytes(stream, key)
             result: dict = {}
             for side, (started, port, out, roots) in gateways.items():
                 client = Client(port)
@@ -218,6 +230,32 @@ def main(argv: list[str] | None = None) -> int:
     report["loadavg_after"] = os.getloadavg()
     write_report(args.output, "request-work", report, render(report))
     return 0
+
+
+def wait_listening(started, port: int, timeout: float = 120.0) -> bool:
+    """The gateway accepts connections (its /health is not asked: a request with the key follows)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and started.process.poll() is None:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                pass
+        except OSError:
+            time.sleep(0.2)
+            continue
+        return wait_engine_route(port)
+    return False
+
+
+def wait_engine_route(port: int, timeout: float = 60.0) -> bool:
+    """The gateway answers /health 200 (its engine is known and healthy)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nhost: bench\r\n\r\n")
+            if sock.recv(65536).startswith(b"HTTP/1.1 200"):
+                return True
+        time.sleep(0.2)
+    return False
 
 
 def site_roots() -> list[str]:
@@ -267,7 +305,8 @@ def paired_ttft(gateways: dict, request: bytes, stream: bool, n: int, warmup: in
 
 def render(report: dict) -> str:
     lines = [
-        f"# The gateway's work per request: {report['before']} -> {report['after']}",
+        f"# The gateway's work per request: {report['before']} -> {report['after']}"
+        + (" with tenants (two, every quota set, none reached)" if report.get("after_tenants") else ""),
         "",
         f"{report['date']}, measured at commit {report['commit']}; machine: {report['machine']}; "
         f"load {report['loadavg_before']} before, {report['loadavg_after']} after. "

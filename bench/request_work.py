@@ -170,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         engine_url = f"http://127.0.0.1:{engine_port}"
         gateways = {}
         for side, rev in (("before", args.before), ("after", args.after)):
-            code = gateway_code(Path(tmp), rev)
+            workdir = Path(tmp) / side  # (one copy each, even of one commit)
+            workdir.mkdir()
+            code = gateway_code(workdir, rev)
             port = free_port()
             out = Path(tmp) / f"{side}.json"
             env = {"PYTHONPATH": f"{code}{os.pathsep}{site}", "REQUEST_WORK_OUT": str(out)}

@@ -86,7 +86,7 @@ class Client:
         while True:
             data = self.sock.recv(65536)
             if not data:
-                raise SystemExit("the gateway closed the connection")
+                raise SystemExit(f"the gateway closed the connection after {buf[:300]!r}")
             buf += data
             if first is None and ((b"data: {" in buf) if stream else (b"\r\n\r\n" in buf)):
                 first = time.perf_counter() - started
@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                     "--workers", "1"]  # fmt: skip
             if side == "after" and args.after_tenants:
                 config = Path(tmp) / "tenants.gateway.yaml"
-                config.write_text(json.dumps(TENANTS_CONFIG))  # JSON is YAML
+                tenants = [{**t, "models": [MODEL]} if "models" in t else t for t in TENANTS_CONFIG["tenants"]]
+                config.write_text(json.dumps({"tenants": tenants}))  # JSON is YAML
                 argv += ["--config", str(config)]
             started = procs.start(f"gateway-{side}", argv, core=None, env=env)
             gateways[side] = (started, port, out, [str(code) + "/", *site_roots()])

@@ -237,6 +237,8 @@ def routing_page() -> str:
     rows = []
     for letter, run in runs.items():
         meta = run["meta"]
+        if "workloads" in meta:  # issue 34's runs: two workloads a run (their own table, below)
+            continue
         labels = sorted({r["label"] for r in run["results"] if r["label"] not in ("oracle",)})
         shares = "; ".join(
             f"{label} {' / '.join(f'{v:.2f}' for v in share_vs_oracle(run, label))}"
@@ -257,6 +259,7 @@ def routing_page() -> str:
     out += table(
         ["run", "started", "results commit", "load before / after", "pinned", "of the oracle's, round 1 / 2"], rows
     )
+    out += workload_runs(runs)
     out += ["", "## Time to first token", ""]
     out += [
         "TTFT p90 of each cache-aware index over the old policy's, per round. The TTFT order needs replicas",
@@ -310,6 +313,54 @@ def routing_page() -> str:
         "`make routing-experiment` runs run f's configuration (`--rounds 2 --pin-engines`) into a new folder.",
     ]
     return "\n".join(out).rstrip() + "\n"
+
+
+def workload_runs(runs: dict[str, dict[str, Any]]) -> list[str]:
+    """Issue 34's runs (two workloads each, vllm-router's policies as phases), round by round from
+    their own verdicts: each index's cached share over the oracle's and over vllm-router's best
+    policy, the split, and its TTFT p90 over round robin's."""
+    two = {letter: run for letter, run in runs.items() if "workloads" in run["meta"]}
+    if not two:
+        return []
+    out = [
+        "",
+        "## Two workloads a run: a prefix every tenant shares (issue 34)",
+        "",
+        "From run g on, each run has two workloads: `tenants` (the one above) and `hot-prefix` (24 tenants",
+        "whose system prompts open with the same ~1,300 characters of house rules, then differ; one",
+        "question each, shuffled, two clients at a time), and vllm-router 0.1.17's `cache_aware` and",
+        "`kv_aware` as phases of the same run. Run h ran the scorer before issue 34 (d5e0308); run i ran",
+        "each cache-aware phase with it too, right after the new one (`--before`); the commit is the",
+        "gateway's (`meta.gateway_code`). Per round: cached share / the oracle's, / vllm-router's best",
+        "policy's, the split (the busier replica's share over the other's), TTFT p90 / round robin's.",
+        "",
+    ]
+    rows = []
+    for letter, run in two.items():
+        meta = run["meta"]
+        goals = run["goals"]
+        for key in sorted(goals):
+            workload, _, rest = key.partition(": ")
+            goal = goals[key]
+            rows.append(
+                [
+                    letter,
+                    meta.get("gateway_code", "?"),
+                    f"{meta['load_before'].split()[0]} / {meta['load_after'].split()[0]}",
+                    workload,
+                    rest,
+                    f"{goal['share_vs_oracle']:.2f}",
+                    f"{goal['share_vs_best_router']:.2f}" if goal.get("share_vs_best_router") else "n/a",
+                    f"{goal['imbalance']:.2f}",
+                    f"{goal['ttft_p90_vs_round_robin']:.2f}",
+                ]
+            )
+    out += table(
+        ["run", "gateway", "load before / after", "workload", "index (round)", "/ oracle", "/ best router", "split",
+         "p90 / round robin"],
+        rows,
+    )  # fmt: skip
+    return out
 
 
 def load_tester_page() -> str:

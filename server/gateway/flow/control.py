@@ -241,6 +241,9 @@ class FlowControl:
         Room for the next in order is room for it or for nobody (a lower class has no more)."""
         while queue.total:
             waiter = self._peek(queue)
+            if waiter.future.done():  # its task was cancelled (client left, wait limit) and has not run yet
+                self._remove(queue, waiter)
+                continue
             if self._room(queue, waiter.klass) <= 0 and queue.pool.healthy_count:
                 return
             self._remove(queue, waiter)
@@ -289,7 +292,10 @@ class FlowControl:
                 break
             tenants = queue.queued[lower]
             if tenants:
-                victim = max((w for ws in tenants.values() for w in ws), key=lambda w: w.arrived)
+                live = [w for ws in tenants.values() for w in ws if not w.future.done()]
+                if not live:
+                    continue
+                victim = max(live, key=lambda w: w.arrived)
                 self._remove(queue, victim)
                 victim.shed = QueueRefused(
                     f"The engines for model `{model}` are full and a request of a higher class took this "

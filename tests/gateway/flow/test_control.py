@@ -292,3 +292,23 @@ async def test_batch_leaves_headroom_for_the_classes_above() -> None:
     assert not waiting.done()  # 29 batch + 1 interactive: free slots must stay >= the headroom
     gate.leave(turns[1], None)
     await asyncio.wait_for(waiting, 30)
+
+
+async def test_a_waiter_cancelled_just_before_a_departure_is_skipped_not_admitted() -> None:
+    """A task cancelled while queued has its future cancelled at once, but leaves the queue only
+    when it next runs: a departure in between must pass over it (seen with clients leaving a
+    backlog of 400 at once: InvalidStateError, and a slot counted for nobody)."""
+    gate, p = control(), pool()
+    running = [await gate.enter(p, "t", "batch", 1) for _ in range(2)]
+    gone = asyncio.create_task(gate.enter(p, "t", "batch", 1))
+    kept = asyncio.create_task(gate.enter(p, "u", "batch", 1))
+    await settle()
+    gone.cancel()  # cancels the future it awaits at once; its handler runs on its next step
+    gate.leave(running[0], None)  # in the same step: no InvalidStateError; `kept` takes the slot
+    held = await asyncio.wait_for(kept, 30)
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    assert gate.models["m"].inflight == 2 and gate.models["m"].total == 0
+    gate.leave(held, None)
+    gate.leave(running[1], None)
+    assert gate.models["m"].inflight == 0

@@ -70,7 +70,6 @@ def test_responses_plain_then_previous_response_id_then_retrieve(client, real_en
     )
     assert first.object == "response" and first.usage is not None and first.usage.output_tokens == 4
     assert first.output_text  # four tokens of gibberish
-    assert first.store is True  # kept by the gateway (app.responses); the engine was sent store: false
     follow = client.responses.create(
         model=real_engine.model,
         input="And the evening?",

@@ -101,10 +101,11 @@ def client_response(
 ) -> dict[str, Any]:
     """The response object the client gets (and a retrieve serves): the engine's, with what the
     gateway changed on the way put back (the id it chose, `store`, the previous response, the
-    client's own instructions)."""
+    client's own instructions); `store` only where the engine's object has the field."""
     out = dict(answer)
     out["id"] = response_id
-    out["store"] = store
+    if "store" in out:  # vLLM's response objects have none: the shape stays the engine's
+        out["store"] = store
     out["previous_response_id"] = previous
     if "instructions" in body:
         out["instructions"] = body["instructions"]

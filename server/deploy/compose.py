@@ -55,6 +55,8 @@ from server.deploy.scaled import ScaledService, ScaledServiceError, scaled_servi
 from server.deploy.secrets import LiteralKeys, SecretSources, secret_sources
 from server.gateway.settings import load_settings
 
+MONITORING_VOLUMES = ("prometheus-data", "alertmanager-data", "grafana-data")
+
 
 def check_plan(plan: DeploymentPlan, compose_dir: Path) -> None:
     """Refuse what compose cannot run: no model at all, or a profile the gateway container cannot see.
@@ -112,9 +114,7 @@ def render_compose(
         "name": project,
         # In dclint's order (services-alphabetical-order): the order of a file is not its start order.
         "services": {name: _ordered(services[name]) for name in sorted(services)},
-        "volumes": {
-            name: {} for name in ("hf-cache", "vllm-cache", "prometheus-data", "alertmanager-data", "grafana-data")
-        },
+        "volumes": {name: {} for name in ("hf-cache", "vllm-cache", "gateway-data", *MONITORING_VOLUMES)},
         "configs": {"alertmanager": {"content": files.dump(alertmanager_config())}},
     }
 

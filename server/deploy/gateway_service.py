@@ -132,6 +132,7 @@ def gateway_service(
         "volumes": [
             f"./{gateway_file}:{GATEWAY_CONFIG_IN_CONTAINER}:ro",
             f"../configs:{CONFIGS_IN_CONTAINER}:ro",
+            "gateway-data:/data",  # the response store's SQLite file (GATEWAY_DATA_DIR, the image's)
         ],
         "ports": [{"target": GATEWAY_PORT, "published": str(GATEWAY_PORT), "host_ip": GATEWAY_BIND}],
         "restart": "unless-stopped",

@@ -207,7 +207,7 @@ def test_without_tenants_the_gateway_pod_gets_no_keys_secret():
         "containers"
     ]
     assert "env" not in container
-    assert [m["name"] for m in container["volumeMounts"]] == ["config"]
+    assert [m["name"] for m in container["volumeMounts"]] == ["config", "data"]  # no keys Secret mounted
 
 
 @pytest.mark.parametrize(

@@ -44,7 +44,14 @@ from server.deploy.containers import VLLM_GPU_IMAGE as VLLM_GPU_IMAGE
 from server.deploy.downloads import download_services
 from server.deploy.engine_service import engine_service, scaled_engine_service
 from server.deploy.errors import ComposeError
-from server.deploy.gateway_service import REDIS_SERVICE, gateway_service, redis_service, render_gateway_config
+from server.deploy.gateway_service import (
+    POSTGRES_SERVICE,
+    REDIS_SERVICE,
+    gateway_service,
+    postgres_service,
+    redis_service,
+    render_gateway_config,
+)
 from server.deploy.monitoring import (
     alertmanager_config,
     monitoring_services,
@@ -109,12 +116,25 @@ def render_compose(
         if REDIS_SERVICE in services:
             raise ComposeError(f"quota_store.backend redis: the service name {REDIS_SERVICE!r} is taken already")
         services[REDIS_SERVICE] = redis_service()
+    if secrets is not None and secrets.database_url_env:
+        if POSTGRES_SERVICE in services:
+            raise ComposeError(f"responses_store.backend postgres: the service name {POSTGRES_SERVICE!r} is taken")
+        services[POSTGRES_SERVICE] = postgres_service()
     services.update(monitoring_services(prometheus_file))
     return {
         "name": project,
         # In dclint's order (services-alphabetical-order): the order of a file is not its start order.
         "services": {name: _ordered(services[name]) for name in sorted(services)},
-        "volumes": {name: {} for name in ("hf-cache", "vllm-cache", "gateway-data", *MONITORING_VOLUMES)},
+        "volumes": {
+            name: {}
+            for name in (
+                "hf-cache",
+                "vllm-cache",
+                "gateway-data",
+                *(["postgres-data"] if POSTGRES_SERVICE in services else []),
+                *MONITORING_VOLUMES,
+            )
+        },
         "configs": {"alertmanager": {"content": files.dump(alertmanager_config())}},
     }
 
@@ -171,6 +191,8 @@ def render_files(models: Sequence[ModelEngines], *, config: Path, output: Path) 
     taken = {engine.service for engine in plan.engines} | {"gateway", *monitoring_services(prometheus_path.name)}
     if secrets.redis_url_env:
         taken.add(REDIS_SERVICE)
+    if secrets.database_url_env:
+        taken.add(POSTGRES_SERVICE)
     try:
         scaled = scaled_services(plan, taken)
     except ScaledServiceError as exc:

@@ -43,6 +43,12 @@ def gateway_command() -> list[str]:
 REDIS_IMAGE = "redis:7.4.2-alpine"  # pinned; quota counters only: nothing persisted
 REDIS_SERVICE = "redis"
 REDIS_URL = f"redis://{REDIS_SERVICE}:6379/0"
+# responses_store.backend postgres: one PostgreSQL for the stored Responses, its password from the
+# host's variable (never in the file); the gateway's URL defaults to it.
+POSTGRES_IMAGE = "postgres:16.6-alpine"
+POSTGRES_SERVICE = "postgres"
+POSTGRES_PASSWORD_ENV = "GATEWAY_POSTGRES_PASSWORD"
+POSTGRES_URL = f"postgresql://gateway:${{{POSTGRES_PASSWORD_ENV}}}@{POSTGRES_SERVICE}:5432/gateway"
 
 
 def render_gateway_config(plan: DeploymentPlan, config: Path, compose_dir: Path) -> dict[str, Any]:
@@ -144,6 +150,9 @@ def gateway_service(
     if secrets is not None and secrets.redis_url_env:
         # The quota store must answer before the gateway admits a tenant's first request.
         depends[REDIS_SERVICE] = {"condition": "service_healthy"}
+    if secrets is not None and secrets.database_url_env:
+        # The response store is opened (and migrated) at start: the gateway refuses to start without it.
+        depends[POSTGRES_SERVICE] = {"condition": "service_healthy"}
     # Started, not healthy: the gateway health-checks its engines itself (/ready), so it and
     # its metrics are up while an engine loads, and one engine that never loads stops nothing.
     depends.update({name: {"condition": "service_started"} for name in engines})
@@ -161,7 +170,30 @@ def _secret_environment(secrets: SecretSources | None) -> dict[str, str | None]:
     env.update({name: None for name in [*secrets.optional, *secrets.variables]})
     if secrets.redis_url_env:
         env[secrets.redis_url_env] = f"${{{secrets.redis_url_env}:-{REDIS_URL}}}"
+    if secrets.database_url_env:
+        env[secrets.database_url_env] = f"${{{secrets.database_url_env}:-{POSTGRES_URL}}}"
     return env
+
+
+def postgres_service() -> dict[str, Any]:
+    """The response store of `responses_store.backend: postgres`: one PostgreSQL on a volume; its
+    password from the host (compose refuses to start without it)."""
+    return {
+        "image": POSTGRES_IMAGE,
+        "environment": {
+            "POSTGRES_USER": "gateway",
+            "POSTGRES_DB": "gateway",
+            "POSTGRES_PASSWORD": f"${{{POSTGRES_PASSWORD_ENV}:?set {POSTGRES_PASSWORD_ENV} (URL-safe characters)}}",
+        },
+        "volumes": ["postgres-data:/var/lib/postgresql/data"],
+        "restart": "unless-stopped",
+        "healthcheck": {
+            "test": ["CMD", "pg_isready", "-U", "gateway", "-d", "gateway"],
+            "interval": "5s",
+            "timeout": "3s",
+            "retries": 20,
+        },
+    }
 
 
 def redis_service() -> dict[str, Any]:

@@ -41,6 +41,7 @@ class SecretSources:
     optional: list[str] = field(default_factory=list)  # read when set: the admin keys
     files: list[KeyFile] = field(default_factory=list)
     redis_url_env: str | None = None  # with quota_store.backend: redis
+    database_url_env: str | None = None  # with responses_store.backend: postgres
     tenants: bool = False  # with tenants every key is a tenant's: no `auth` keys beside them
 
 
@@ -67,7 +68,14 @@ def secret_sources(settings: GatewaySettings, config: Path, target: str) -> Secr
     if any(t.cache_isolation == "tenant" for t in settings.tenants or ()):
         variables.append(settings.tenant_salt_secret_env)
     redis = settings.quota_store.redis_url_env if settings.quota_store.backend == "redis" else None
+    store = settings.responses_store
+    database = store.url_env if store.backend == "postgres" else None
     optional = [settings.auth.admin_keys_env]
     return SecretSources(
-        variables=variables, optional=optional, files=files, redis_url_env=redis, tenants=settings.tenants is not None
+        variables=variables,
+        optional=optional,
+        files=files,
+        redis_url_env=redis,
+        database_url_env=database,
+        tenants=settings.tenants is not None,
     )

@@ -16,6 +16,7 @@ import yaml
 from server.deploy.gateway_service import POSTGRES_IMAGE, POSTGRES_URL
 from server.gateway.settings import load_settings
 from tests.deploy.test_helm import CHART, GPU_CONFIG, KUBERNETES_VERSIONS, render, values_for
+from tests.deploy.test_helm_redis import gateway_env
 from tests.deploy.test_tenants_render import checkout, rendered_compose
 
 from .test_dclint import DCLINT, dclint
@@ -60,12 +61,6 @@ def with_postgres(deploy: bool, backend: str = "postgres", **postgres: Any) -> d
     values["postgres"] = {"deploy": deploy, **postgres}
     values["gateway"]["config"]["responses_store"] = {"backend": backend}
     return values
-
-
-def gateway_env(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    label = "app.kubernetes.io/component"
-    (deployment,) = [o for o in objects if o["kind"] == "Deployment" and o["metadata"]["labels"][label] == "gateway"]
-    return deployment["spec"]["template"]["spec"]["containers"][0].get("env", [])
 
 
 def store_objects(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -335,7 +335,8 @@ class Exchange(ClientAnswer):
                     }
                 )
         except BaseException:  # the client left (often right after [DONE]) or a deadline: the usage seen still counts
-            record.usage = scanner.usage
+            # (a UsageScanner parses the usage it kept only in finish; HiddenUsage has it as it goes)
+            record.usage = scanner.finish() if hidden is None else scanner.usage
             raise
         # asyncio.CancelledError (a deadline) passes: its error event follows self.last (see run)
         if deadlines is not None:

@@ -88,8 +88,12 @@ class Processes:
         self.close()
 
 
-def wait_chat_ready(started: Started, base_url: str, model: str, timeout: float = 60.0) -> str | None:
-    """Poll with a small streaming chat request until it answers 200; None, or why it never did."""
+def wait_chat_ready(
+    started: Started, base_url: str, model: str, timeout: float = 60.0, *, api_key: str | None = None
+) -> str | None:
+    """Poll with a small streaming chat request (with `api_key` as its bearer token, if given) until
+    it answers 200; None, or why it never did."""
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else None
     deadline = time.monotonic() + timeout
     last = "no answer"
     body = {"model": model, "messages": [{"role": "user", "content": "ready?"}], "stream": True, "max_tokens": 2}
@@ -98,7 +102,7 @@ def wait_chat_ready(started: Started, base_url: str, model: str, timeout: float 
             if started.process.poll() is not None:
                 return f"exited with status {started.process.returncode}:\n{started.log_tail()}"
             try:
-                with client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as response:
+                with client.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=headers) as response:
                     text = response.read().decode(errors="replace")
                 if response.status_code == 200 and "[DONE]" in text:
                     return None

@@ -61,12 +61,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from statistics import median
-
-import httpx
 
 from bench.loadgen import summarize
 from bench.procs import (
@@ -234,24 +231,8 @@ def start_paths(
 
 def _wait_ready_with_key(info: dict, timeout: float) -> str | None:
     """`wait_chat_ready` for a gateway with keys: a streamed chat with the path's key answers 200."""
-    deadline = time.monotonic() + timeout
-    last = "no answer"
-    headers = {"authorization": f"Bearer {info['loadgen_env']['LOADGEN_API_KEY']}"}
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "ready?"}], "stream": True, "max_tokens": 2}
-    with httpx.Client(timeout=httpx.Timeout(5.0)) as client:
-        while time.monotonic() < deadline:
-            if info["process"].process.poll() is not None:
-                return f"exited with status {info['process'].process.returncode}:\n{info['process'].log_tail()}"
-            try:
-                with client.stream("POST", f"{info['url']}/v1/chat/completions", json=body, headers=headers) as r:
-                    text = r.read().decode(errors="replace")
-                if r.status_code == 200 and "[DONE]" in text:
-                    return None
-                last = f"status {r.status_code}: {text[:200]}"
-            except httpx.HTTPError as exc:
-                last = repr(exc)
-            time.sleep(0.2)
-    return f"not ready within {timeout:.0f} s (last: {last})\n{info['process'].log_tail()}"
+    key = info["loadgen_env"]["LOADGEN_API_KEY"]
+    return wait_chat_ready(info["process"], info["url"], MODEL, timeout=timeout, api_key=key)
 
 
 def _loadgen_env(info: dict) -> dict[str, str] | None:

@@ -130,15 +130,17 @@ class FlowControl:
 
     # -- the request's side -----------------------------------------------------------------------
 
-    def pass_now(self, pool: ModelPool, tenant: str, klass: Class) -> Pass | None:
+    def pass_now(self, pool: ModelPool, tenant: str, klass: Class, reserve: float) -> Pass | None:
         """Admit at once when the model has room and nobody waits (or it has no engine: routing
-        answers 503), else None (then `enter`). Nothing is charged before the answer settles: the
-        cost estimate is only worked out for a request that waits (flow.gate)."""
+        answers 503), else None (then `enter`). Charged `reserve`, a cheap upper estimate (flow.gate:
+        the body's size and the output it may write, no prefix lookup) that the answer settles: a
+        tenant whose requests went straight in while there was room has its counter show them at
+        once, so a tenant that starts waiting beside it is lifted to a counter that counts them."""
         queue = self._queue(pool)
         if queue.total or (self._room(queue, klass) <= 0 and pool.healthy_count):
             return None
         now = self.clock()
-        return self._admit(queue, tenant, klass, 0.0, now, now)
+        return self._admit(queue, tenant, klass, reserve, now, now)
 
     async def enter(self, pool: ModelPool, tenant: str, klass: Class, cost: float) -> Pass:
         """Wait until `pool`'s engines have room for this request (at once when they do); raises

@@ -46,14 +46,15 @@ class FlowGate:
     def pass_now(self, pool: ModelPool, request: GatewayRequest, record: RequestRecord) -> Pass | None:
         """The request's class (and vLLM's `priority`), and its pass when the model has room
         now: the path of every request while the engines are not full, so no prompt is read
-        and nothing is estimated on it. None: it must wait (`wait`)."""
+        (the charge is a reservation from the body's size: `_reservation`). None: it must wait
+        (`wait`)."""
         tenant = record.tenant
         assert tenant is not None
         klass = request_class(self.classes.get(tenant, "standard"), request.header(PRIORITY_HEADER))
         record.priority = klass
         if pool.name in self.priority_models and request.endpoint.name in PRIORITY_ENDPOINTS:
             request.replace_body({**request.body, "priority": VLLM_PRIORITY[klass]})
-        held = self.control.pass_now(pool, tenant, klass)
+        held = self.control.pass_now(pool, tenant, klass, self._reservation(pool, request))
         if held is not None:
             record.queued_s = 0.0
         return held
@@ -86,6 +87,15 @@ class FlowGate:
                 learned = self.chars_per_token.get(held.model, held.chars / prompt)
                 self.chars_per_token[held.model] = learned + 0.2 * (held.chars / prompt - learned)
         self.control.leave(held, usage)
+
+    def _reservation(self, pool: ModelPool, request: GatewayRequest) -> float:
+        """What a request let in at once is charged until its usage settles it: its JSON body's
+        size in tokens (an upper bound on the uncached prompt: no prefix lookup on this path) and
+        the output it may write. Without it, requests admitted while the engines had room counted
+        for nothing until they ended, and a tenant that started waiting beside them was served
+        alone until it had caught up with all of them (a 1.00 share, not a half)."""
+        prompt = len(request.raw) / self.chars_per_token.get(pool.name, CHARS_PER_TOKEN)
+        return (prompt if request.endpoint.model_from == "json" else 0.0) + _output_tokens(request.body, self.control)
 
     def _uncached_tokens(self, pool: ModelPool, prompt: PromptView | None) -> float:
         """The prompt's tokens no healthy replica holds, by the approximate prefix index."""

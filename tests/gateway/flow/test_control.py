@@ -136,6 +136,34 @@ async def test_within_a_class_the_smallest_virtual_counter_goes_first() -> None:
     assert served.index("light") <= 2 and served[:5].count("light") == 2, served
 
 
+async def test_requests_let_in_at_once_count_before_they_end_so_a_newcomer_gets_half_not_all() -> None:
+    """Heavy's first batch went straight in (room); its reservations are on its counter at once, so
+    light, lifted to it when it starts waiting, alternates with heavy instead of being served alone
+    until heavy's first batch has ended and settled (light took every slot before this rule)."""
+    gate, p = control(max_num_seqs=4), pool()
+    first = [gate.pass_now(p, "heavy", "batch", 100) for _ in range(4)]
+    assert all(held is not None for held in first) and gate.counters.get("heavy") == 400
+    assert gate.pass_now(p, "heavy", "batch", 100) is None  # full: it must wait
+    served: list[str] = []
+
+    async def one(tenant: str) -> None:
+        mine = await gate.enter(p, tenant, "batch", 100)
+        served.append(tenant)
+        await asyncio.sleep(0)
+        gate.leave(mine, usage(50, 50))
+
+    tasks = [asyncio.create_task(one("heavy")) for _ in range(20)]
+    await settle()
+    tasks += [asyncio.create_task(one("light")) for _ in range(4)]
+    await settle()
+    assert gate.counters.get("light") == 400  # lifted to heavy's, reservations included
+    for held in first:
+        assert held is not None
+        gate.leave(held, usage(50, 50))  # used what it reserved: nothing returned
+    await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    assert served[:4].count("light") == 2 and served[:8].count("light") == 4, served
+
+
 async def test_uncached_charging_serves_a_cached_prefix_tenant_more() -> None:
     gate, p = control(max_num_seqs=1), pool()
     held = await gate.enter(p, "x", "batch", 0)

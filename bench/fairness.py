@@ -100,7 +100,7 @@ async def chat(
             text = []
             async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as response:
                 out["status"] = response.status_code
-                async for line in response.aiter_lines():
+                async for line in sse_lines(response):
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     event = json.loads(line[6:])
@@ -126,6 +126,20 @@ async def chat(
         out["error"] = repr(exc)
     out["done"] = time.perf_counter() - t0
     return out
+
+
+async def sse_lines(response: httpx.Response) -> Any:
+    """The stream's lines split at b"\n" only. httpx's aiter_lines splits like str.splitlines, also
+    at U+2028, U+0085 and the like, which JSON leaves unescaped: the tiny model's random tokens
+    write them, and a data line cut there is not JSON."""
+    pending = b""
+    async for chunk in response.aiter_bytes():
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode()
+    if pending:
+        yield pending.rstrip(b"\r").decode()
 
 
 def served_tokens(result: dict[str, Any]) -> int:

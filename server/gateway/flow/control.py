@@ -211,13 +211,21 @@ class FlowControl:
         above. Engines that schedule by priority (vLLM's priority policy: a higher class is
         scheduled first from its queue) count only the requests in flight of `klass` and above:
         a higher class goes in beside a full lower one and is next at the engine; other engines
-        count every request in flight."""
-        cap = self.capacity(queue.pool)
+        count every request in flight. On those engines a KV cache at the limit holds only the
+        lowest class in flight: when a running request needs a block the cache lacks, vLLM's
+        priority policy preempts the lowest-priority running request (and, of those waiting,
+        schedules the highest first), so a higher class sent beside a full cache of a lower one
+        takes its space instead of waiting at the gateway for a lower answer to end."""
+        pool = queue.pool
+        if pool.name not in self.priority_models:
+            cap = self.capacity(pool)
+            return cap - (self.headroom(cap) if klass == "batch" else 0) - queue.inflight
+        rank = RANK[klass]
+        lower = any(n for k, n in queue.by_class.items() if RANK[k] > rank)
+        limit = math.inf if lower else self.settings.kv_usage_limit
+        cap = capacity(pool.engines, self.max_num_seqs(pool.name), limit, self.workers)
         if klass == "batch":
             cap -= self.headroom(cap)
-        if queue.pool.name not in self.priority_models:
-            return cap - queue.inflight
-        rank = RANK[klass]
         return cap - sum(n for k, n in queue.by_class.items() if RANK[k] <= rank)
 
     def headroom(self, cap: int) -> int:

@@ -300,6 +300,31 @@ async def test_with_priority_scheduling_a_higher_class_goes_in_beside_a_full_low
     queued_batch.cancel()
 
 
+async def test_with_priority_scheduling_a_full_kv_cache_holds_only_the_lowest_class_in_flight() -> None:
+    """vLLM's priority policy preempts the lowest class running for KV space: an interactive
+    request goes in beside batch requests that fill the cache; with no lower class in flight to
+    make way, or on an engine without the policy, a full cache holds it at the gateway."""
+    settings = Flow(max_num_seqs=8, tick_s=0.01, batch_headroom=0)
+    gate, p = FlowControl(settings, priority_models=frozenset({"m"})), pool()
+    batch = await gate.enter(p, "b", "batch", 1)
+    p.engines[0].record_scrape(EngineMetrics(kv_usage=0.99), at=0.0)  # the batch filled the cache
+    assert gate.pass_now(p, "b", "batch", 1) is None  # the cache is full for batch
+    interactive = gate.pass_now(p, "i", "interactive", 1)
+    assert interactive is not None  # batch in flight: vLLM preempts it for the interactive one
+    standard = gate.pass_now(p, "s", "standard", 1)
+    assert standard is not None  # batch is below standard too
+    gate.leave(batch, None)
+    gate.leave(standard, None)
+    assert gate.pass_now(p, "i", "interactive", 1) is None  # nothing lower in flight to preempt
+    gate.leave(interactive, None)
+
+    plain, fcfs = FlowControl(settings), pool()  # FCFS engines: vLLM would preempt the newest, the interactive one
+    held = await plain.enter(fcfs, "b", "batch", 1)
+    fcfs.engines[0].record_scrape(EngineMetrics(kv_usage=0.99), at=0.0)
+    assert plain.pass_now(fcfs, "i", "interactive", 1) is None
+    plain.leave(held, None)
+
+
 async def test_batch_leaves_headroom_for_the_classes_above() -> None:
     """vLLM preempts for KV space only: a batch that fills max-num-seqs would keep the next
     interactive turn waiting for a batch answer to end, so batch stops short of the last slots."""

@@ -132,10 +132,10 @@ class FlowControl:
 
     def pass_now(self, pool: ModelPool, tenant: str, klass: Class, reserve: float) -> Pass | None:
         """Admit at once when the model has room and nobody waits (or it has no engine: routing
-        answers 503), else None (then `enter`). Charged `reserve`, a cheap upper estimate (flow.gate:
-        the body's size and the output it may write, no prefix lookup) that the answer settles: a
-        tenant whose requests went straight in while there was room has its counter show them at
-        once, so a tenant that starts waiting beside it is lifted to a counter that counts them."""
+        answers 503), else None (then `enter`). Charged `reserve` (flow.gate: the output it may
+        write; its prompt is not read on this path), which the answer settles: a tenant whose
+        requests went straight in while there was room has its counter show them at once, so a
+        tenant that starts waiting beside it is lifted to a counter that counts them."""
         queue = self._queue(pool)
         if queue.total or (self._room(queue, klass) <= 0 and pool.healthy_count):
             return None
@@ -216,17 +216,16 @@ class FlowControl:
         priority policy preempts the lowest-priority running request (and, of those waiting,
         schedules the highest first), so a higher class sent beside a full cache of a lower one
         takes its space instead of waiting at the gateway for a lower answer to end."""
-        pool = queue.pool
-        if pool.name not in self.priority_models:
-            cap = self.capacity(pool)
-            return cap - (self.headroom(cap) if klass == "batch" else 0) - queue.inflight
-        rank = RANK[klass]
-        lower = any(n for k, n in queue.by_class.items() if RANK[k] > rank)
-        limit = math.inf if lower else self.settings.kv_usage_limit
+        pool, limit, counted = queue.pool, self.settings.kv_usage_limit, queue.inflight
+        if pool.name in self.priority_models:
+            rank = RANK[klass]
+            if any(n for k, n in queue.by_class.items() if RANK[k] > rank):
+                limit = math.inf  # a lower class in flight makes way
+            counted = sum(n for k, n in queue.by_class.items() if RANK[k] <= rank)
         cap = capacity(pool.engines, self.max_num_seqs(pool.name), limit, self.workers)
         if klass == "batch":
             cap -= self.headroom(cap)
-        return cap - sum(n for k, n in queue.by_class.items() if RANK[k] <= rank)
+        return cap - counted
 
     def headroom(self, cap: int) -> int:
         """Slots of `cap` batch requests leave to the classes above: vLLM's scheduler preempts

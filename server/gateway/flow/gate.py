@@ -46,7 +46,7 @@ class FlowGate:
     def pass_now(self, pool: ModelPool, request: GatewayRequest, record: RequestRecord) -> Pass | None:
         """The request's class (and vLLM's `priority`), and its pass when the model has room
         now: the path of every request while the engines are not full, so no prompt is read
-        (the charge is a reservation of its output: `_reservation`). None: it must wait
+        (the charge is a reservation of its output). None: it must wait
         (`wait`)."""
         tenant = record.tenant
         assert tenant is not None
@@ -54,7 +54,10 @@ class FlowGate:
         record.priority = klass
         if pool.name in self.priority_models and request.endpoint.name in PRIORITY_ENDPOINTS:
             request.replace_body({**request.body, "priority": VLLM_PRIORITY[klass]})
-        held = self.control.pass_now(pool, tenant, klass, self._reservation(pool, request))
+        # reserved until the answer settles: its output (flow.control.pass_now); the body's size
+        # was tried as a prompt estimate and dropped (10-20x the uncached part behind a cached
+        # system prompt: docs/operate/flow-control.md)
+        held = self.control.pass_now(pool, tenant, klass, _output_tokens(request.body, self.control))
         if held is not None:
             record.queued_s = 0.0
         return held
@@ -87,17 +90,6 @@ class FlowGate:
                 learned = self.chars_per_token.get(held.model, held.chars / prompt)
                 self.chars_per_token[held.model] = learned + 0.2 * (held.chars / prompt - learned)
         self.control.leave(held, usage)
-
-    def _reservation(self, pool: ModelPool, request: GatewayRequest) -> float:
-        """What a request let in at once is charged until its usage settles it: the output it may
-        write (its limit, else `expected_output_tokens`). Its prompt is not read on this path,
-        so its uncached part counts only once the answer says. Without a reservation, requests
-        admitted while the engines had room counted for nothing until they ended, and a tenant
-        that started waiting beside them was served alone until it had caught up with all of
-        them (a 1.00 share, not a half). The body's size is no estimate of the prompt: with a
-        cached system prompt it was 10-20x the uncached part, the tenant that started waiting was
-        lifted to that inflated counter, and then served nothing while the settlements came back."""
-        return float(_output_tokens(request.body, self.control))
 
     def _uncached_tokens(self, pool: ModelPool, prompt: PromptView | None) -> float:
         """The prompt's tokens no healthy replica holds, by the approximate prefix index."""

@@ -38,6 +38,16 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+async def take_turn(
+    gate: FlowControl, p: ModelPool, tenant: str, cost: float, answer: dict[str, object], served: list[str]
+) -> None:
+    """One batch request of `tenant`: waits its turn, notes it in `served`, ends with `answer`'s usage."""
+    mine = await gate.enter(p, tenant, "batch", cost)
+    served.append(tenant)
+    await asyncio.sleep(0)
+    gate.leave(mine, answer)
+
+
 def test_a_client_may_lower_its_class_never_raise_it() -> None:
     assert request_class("interactive", None) == "interactive"
     assert request_class("interactive", "batch") == "batch"
@@ -119,16 +129,9 @@ async def test_within_a_class_the_smallest_virtual_counter_goes_first() -> None:
     gate, p = control(max_num_seqs=1), pool()
     held = await gate.enter(p, "heavy", "batch", 100)
     served: list[str] = []
-
-    async def one(tenant: str) -> None:
-        mine = await gate.enter(p, tenant, "batch", 100)
-        served.append(tenant)
-        await asyncio.sleep(0)
-        gate.leave(mine, usage(100, 100))
-
-    tasks = [asyncio.create_task(one("heavy")) for _ in range(20)]
+    tasks = [asyncio.create_task(take_turn(gate, p, "heavy", 100, usage(100, 100), served)) for _ in range(20)]
     await settle()
-    tasks += [asyncio.create_task(one("light")) for _ in range(2)]
+    tasks += [asyncio.create_task(take_turn(gate, p, "light", 100, usage(100, 100), served)) for _ in range(2)]
     await settle()
     gate.leave(held, usage(100, 100))
     await asyncio.wait_for(asyncio.gather(*tasks), 30)
@@ -145,16 +148,9 @@ async def test_requests_let_in_at_once_count_before_they_end_so_a_newcomer_gets_
     assert all(held is not None for held in first) and gate.counters.get("heavy") == 400
     assert gate.pass_now(p, "heavy", "batch", 100) is None  # full: it must wait
     served: list[str] = []
-
-    async def one(tenant: str) -> None:
-        mine = await gate.enter(p, tenant, "batch", 100)
-        served.append(tenant)
-        await asyncio.sleep(0)
-        gate.leave(mine, usage(50, 50))
-
-    tasks = [asyncio.create_task(one("heavy")) for _ in range(20)]
+    tasks = [asyncio.create_task(take_turn(gate, p, "heavy", 100, usage(50, 50), served)) for _ in range(20)]
     await settle()
-    tasks += [asyncio.create_task(one("light")) for _ in range(4)]
+    tasks += [asyncio.create_task(take_turn(gate, p, "light", 100, usage(50, 50), served)) for _ in range(4)]
     await settle()
     assert gate.counters.get("light") == 400  # lifted to heavy's, reservations included
     for held in first:

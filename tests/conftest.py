@@ -82,15 +82,17 @@ def pytest_runtest_call(item):
     """A test that fails while a shared engine crashed says so, once the engine serves again."""
     engines = _shared_engines(item)
     before = [engine.engine_pid() for engine in engines]
+    logged = [engine.log_size() for engine in engines]
     try:
         return (yield)
     except (Exception, pytest.fail.Exception) as failure:
-        for engine, pid in zip(engines, before, strict=True):
+        for engine, pid, since in zip(engines, before, logged, strict=True):
             if not engine.serving() or (pid is not None and engine.engine_pid() not in (pid, None)):
                 waited = engine.wait_until_serving()
                 failure.add_note(
                     f"the shared {engine.profile.name} engine crashed during this test "
                     f"(its supervisor had it serving again {waited:.0f} s after the test ended)"
+                    + engine.crash_lines(since)
                 )
         raise
 

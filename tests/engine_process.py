@@ -10,13 +10,16 @@ supervisor then restarts it, which takes a back-off and a fresh start (about 40 
 `SharedEngine.wait_until_serving()` waits for that, bounded by RESTART_TIMEOUT, and fails the
 test with "the shared ... engine crashed and did not come back within N s" otherwise;
 `SharedEngine.client()` is an httpx client whose requests, when the engine refuses the
-connection (nothing was sent), wait for the restart and go again. tests/conftest.py waits the
-same way before every test that uses a shared engine, and names a crash in a test's failure.
+connection (nothing was sent) or vLLM answers that its engine core died under the request
+(nothing was served), wait for the restart and go again. tests/conftest.py waits the same way
+before every test that uses a shared engine, and names a crash in a test's failure, with the
+lines of the engine's log that say why.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -108,15 +111,39 @@ class SharedEngine:
         """An httpx client whose refused connections wait for the engine's restart, then go again."""
         return httpx.Client(transport=WaitsForRestart(self), **kwargs)
 
+    def log_size(self) -> int:
+        """Where the engine's log ends now (0 without a log): the start of `crash_lines`."""
+        return self.log_path.stat().st_size if self.log_path is not None and self.log_path.exists() else 0
+
+    def crash_lines(self, since: int, limit: int = 30) -> str:
+        """The lines of its log written after offset `since` that say why an engine died."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        with self.log_path.open("rb") as log:
+            log.seek(since)
+            text = log.read().decode(errors="replace")
+        said = [line for line in text.splitlines() if CRASH_WORDS.search(line)][-limit:]
+        return "\nwhat its log said:\n" + "\n".join(said) if said else ""
+
     def _log_tail(self) -> str:
         if self.log_path is None or not self.log_path.exists():
             return ""
         return "\nlast lines of its log:\n" + self.log_path.read_text(errors="replace")[-3000:]
 
 
+# Log lines that say why an engine died (vLLM's errors, a dead worker, the supervisor's restart).
+CRASH_WORDS = re.compile(r"ERROR|Error|Traceback|died|exited with code|Killed|signal")
+
+# What vLLM's API server answers (500) when its engine core died under a request: the request was
+# not served, and the server exits next, so the supervisor restarts it.
+ENGINE_DEAD = "EngineCore encountered an issue"
+RETRIES = 3  # restarts waited for per request before its failure is the test's
+
+
 class WaitsForRestart(httpx.BaseTransport):
-    """A transport that meets a refused connection (the engine down, nothing sent) by waiting for
-    the engine's supervisor to bring it back, then sends the request once more."""
+    """A transport that meets a dead engine by waiting for its supervisor to bring it back, then
+    sends the request once more: a refused connection (the engine down, nothing sent) or vLLM's
+    500 for an engine core that died under the request (nothing served). Up to RETRIES times."""
 
     def __init__(self, engine: SharedEngine, transport: httpx.BaseTransport | None = None) -> None:
         self.engine = engine
@@ -124,11 +151,20 @@ class WaitsForRestart(httpx.BaseTransport):
         self.waited: list[float] = []  # seconds, per restart waited for
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        try:
-            return self.transport.handle_request(request)
-        except httpx.ConnectError:
+        for _ in range(RETRIES):
+            try:
+                response = self.transport.handle_request(request)
+            except httpx.ConnectError:
+                self.waited.append(self.engine.wait_until_serving())
+                continue
+            if response.status_code != 500:
+                return response
+            body = response.read()
+            response.close()
+            if ENGINE_DEAD.encode() not in body:
+                return httpx.Response(500, headers=response.headers, content=body, request=request)
             self.waited.append(self.engine.wait_until_serving())
-            return self.transport.handle_request(request)
+        return self.transport.handle_request(request)
 
     def close(self) -> None:
         self.transport.close()

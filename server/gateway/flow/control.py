@@ -34,7 +34,7 @@ from typing import Any
 
 from server.gateway.flow.classes import CLASSES, RANK, Class
 from server.gateway.flow.errors import QueueRefused
-from server.gateway.flow.fairshare import VirtualCounters, prompt_charge
+from server.gateway.flow.fairshare import PromptCosts, VirtualCounters, prompt_charge
 from server.gateway.flow.saturation import capacity
 from server.gateway.flow.tally import FlowTally
 from server.gateway.observability.record import cached_count, token_counts
@@ -111,6 +111,7 @@ class FlowControl:
         self.clock = clock
         self._max_num_seqs = dict(max_num_seqs or {})
         self.counters = VirtualCounters()
+        self.prompt_costs = PromptCosts()
         self.tally = FlowTally()
         self.models: dict[str, ModelQueue] = {}
         self._tick: asyncio.TimerHandle | None = None
@@ -133,14 +134,15 @@ class FlowControl:
     def pass_now(self, pool: ModelPool, tenant: str, klass: Class, reserve: float) -> Pass | None:
         """Admit at once when the model has room and nobody waits (or it has no engine: routing
         answers 503), else None (then `enter`). Charged `reserve` (flow.gate: the output it may
-        write; its prompt is not read on this path), which the answer settles: a tenant whose
-        requests went straight in while there was room has its counter show them at once, so a
-        tenant that starts waiting beside it is lifted to a counter that counts them."""
+        write) plus what the tenant's prompts cost lately (its prompt is not read on this path),
+        which the answer settles: a tenant whose requests went straight in while there was room
+        has its counter show them at once, prompts included, so a tenant that starts waiting
+        beside it is lifted to a counter that counts them."""
         queue = self._queue(pool)
         if queue.total or (self._room(queue, klass) <= 0 and pool.healthy_count):
             return None
         now = self.clock()
-        return self._admit(queue, tenant, klass, reserve, now, now)
+        return self._admit(queue, tenant, klass, reserve + self.prompt_costs.expect(pool.name, tenant), now, now)
 
     async def enter(self, pool: ModelPool, tenant: str, klass: Class, cost: float) -> Pass:
         """Wait until `pool`'s engines have room for this request (at once when they do); raises
@@ -194,7 +196,10 @@ class FlowControl:
         if isinstance(usage, dict):
             prompt, completion = token_counts(usage)
             if prompt is not None or completion is not None:
-                actual = prompt_charge(prompt or 0, cached_count(usage)) + (completion or 0)
+                uncached = prompt_charge(prompt or 0, cached_count(usage))
+                if prompt is not None:
+                    self.prompt_costs.settled(held.model, held.tenant, uncached)
+                actual = uncached + (completion or 0)
                 self.counters.charge(held.tenant, actual - held.charged)
                 self.tally.served(held.model, held.tenant, actual)
         if queue is None:

@@ -46,17 +46,17 @@ class FlowGate:
     def pass_now(self, pool: ModelPool, request: GatewayRequest, record: RequestRecord) -> Pass | None:
         """The request's class (and vLLM's `priority`), and its pass when the model has room
         now: the path of every request while the engines are not full, so no prompt is read
-        (the charge is a reservation of its output). None: it must wait
-        (`wait`)."""
+        (the charge is a reservation of its output and of its tenant's recent prompt cost).
+        None: it must wait (`wait`)."""
         tenant = record.tenant
         assert tenant is not None
         klass = request_class(self.classes.get(tenant, "standard"), request.header(PRIORITY_HEADER))
         record.priority = klass
         if pool.name in self.priority_models and request.endpoint.name in PRIORITY_ENDPOINTS:
             request.replace_body({**request.body, "priority": VLLM_PRIORITY[klass]})
-        # reserved until the answer settles: its output (flow.control.pass_now); the body's size
-        # was tried as a prompt estimate and dropped (10-20x the uncached part behind a cached
-        # system prompt: docs/operate/flow-control.md)
+        # reserved until the answer settles: its output, and the tenant's recent prompt cost
+        # (flow.control.pass_now); the body's size was tried as a prompt estimate and dropped
+        # (10-20x the uncached part behind a cached system prompt: docs/operate/flow-control.md)
         held = self.control.pass_now(pool, tenant, klass, _output_tokens(request.body, self.control))
         if held is not None:
             record.queued_s = 0.0

@@ -160,6 +160,32 @@ async def test_requests_let_in_at_once_count_before_they_end_so_a_newcomer_gets_
     assert served[:4].count("light") == 2 and served[:8].count("light") == 4, served
 
 
+async def test_a_request_let_in_at_once_reserves_its_tenants_recent_prompt_cost_too() -> None:
+    """Its prompt is unread, so it reserves what its tenant's prompts cost lately (a new tenant:
+    the model's average). Heavy's batch in flight then weighs on its counter with its prompts, and
+    light, lifted to it, alternates with heavy: without the prompts, heavy's settlements would
+    have added them after the lift, and light would have gone first until it caught up."""
+    gate, p = control(max_num_seqs=4), pool()
+    earlier = gate.pass_now(p, "heavy", "batch", 50)
+    assert earlier is not None and gate.counters.get("heavy") == 50  # nothing settled yet: no prompt cost
+    gate.leave(earlier, usage(80, 50, cached=30))  # its prompt cost 50
+    assert gate.prompt_costs.expect("m", "heavy") == 50 and gate.prompt_costs.expect("m", "new") == 50
+    before = gate.counters.get("heavy")
+    first = [gate.pass_now(p, "heavy", "batch", 50) for _ in range(4)]
+    assert all(held is not None for held in first) and gate.counters.get("heavy") == before + 4 * 100
+    served: list[str] = []
+    tasks = [asyncio.create_task(take_turn(gate, p, "heavy", 100, usage(80, 50, cached=30), served)) for _ in range(20)]
+    await settle()
+    tasks += [asyncio.create_task(take_turn(gate, p, "light", 100, usage(80, 50, cached=30), served)) for _ in range(4)]
+    await settle()
+    assert gate.counters.get("light") == gate.counters.get("heavy")
+    for held in first:
+        assert held is not None
+        gate.leave(held, usage(80, 50, cached=30))  # cost what it reserved: the counter stands
+    await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    assert served[:4].count("light") == 2 and served[:8].count("light") == 4, served
+
+
 async def test_uncached_charging_serves_a_cached_prefix_tenant_more() -> None:
     gate, p = control(max_num_seqs=1), pool()
     held = await gate.enter(p, "x", "batch", 0)

@@ -25,6 +25,10 @@ pytestmark = [pytest.mark.engine, pytest.mark.one_process("one engine, one gatew
 PROFILE = Path(__file__).resolve().parents[3] / "configs" / "profiles" / "tiny-cpu-priority.yaml"
 KEYS = {"planner": "sk-real-planner", "articles": "sk-real-articles"}
 WAITING = 8  # batch requests beyond the engine's max-num-seqs (32): they wait in vLLM's queue
+# Each batch answer's length: the waiting ones wait that many engine steps, long enough on a busy
+# machine for a slow /metrics poll to see them and for the interactive request to arrive (at 96
+# tokens, two CPU hogs beside the test made it miss both).
+BATCH_TOKENS = 400
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +81,10 @@ def test_the_class_reaches_vllm_as_priority_and_vllm_runs_interactive_before_wai
 
     async def scenario() -> tuple[list[float], float]:
         async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=100)) as client:
-            batch = [asyncio.create_task(first_token_at(client, gw.url, "articles", 96)) for _ in range(32 + WAITING)]
+            batch = [
+                asyncio.create_task(first_token_at(client, gw.url, "articles", BATCH_TOKENS))
+                for _ in range(32 + WAITING)
+            ]
 
             def engine_queue() -> float:
                 text = httpx.get(f"{priority_engine.url}/metrics", timeout=10).text

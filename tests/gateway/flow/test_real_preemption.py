@@ -1,0 +1,175 @@
+"""An interactive request beside a KV cache full of batch, on a real vLLM engine that schedules by
+priority: vLLM preempts a batch request, and the interactive one is answered before any batch
+answer ends.
+
+The engine is tiny-cpu-priority with the tiny model's whole 4,096 positions and its KV cache cut
+to 33 blocks of 128 tokens (`num-gpu-blocks-override`; vLLM keeps one back: 32, the least it
+starts with). Four batch requests (16-token prompts), streamed through the gateway, each write
+4,000 tokens: 32 blocks apiece at the end, 128 in all. Once the blocks their streams have written fill the
+cache (each chunk carries the tokens so far: `continuous_usage_stats`), the interactive request
+goes in, one block's worth. vLLM never preempts for a waiting request, only when a running one
+needs a block the cache lacks: the batch requests do, from their 9th block on, and the scheduler
+preempts the lowest-priority running request (the newest batch one; again as the others grow).
+The interactive request, first in vLLM's waiting queue by priority, takes the first block freed,
+and is answered while the oldest batch request still has thousands of tokens to write (the
+engine writes them far faster than a busy machine carries a request to it: hence the long
+answers). First come first served (vLLM's default policy; here: every request at one priority)
+puts each preempted batch request back at the head of the queue, and the interactive request
+waits behind them.
+
+What this shows: vLLM's `priority` comes from the tenant's class through the gate, the engine
+preempted (its `vllm:request_num_preemptions` histogram), and the interactive answer came while
+every batch stream was still writing. Nothing is timed: each step waits for what the streams
+report, bounded by a generous deadline. (The gate's own rule for a full cache,
+counting only the lowest class in flight, is a unit test: the cache is full here for tens of
+steps only.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from server.gateway.settings import GatewaySettings
+from tests.engine_process import running_engine
+
+pytestmark = [pytest.mark.engine, pytest.mark.one_process("one engine, one gateway worker: the order is the engine's")]
+
+PROFILE = Path(__file__).resolve().parents[3] / "configs" / "profiles" / "tiny-cpu-priority.yaml"
+KEYS = {"planner": "sk-real-planner", "articles": "sk-real-articles"}
+BLOCKS, BLOCK = 33, 128  # the cut cache: one longest request (vLLM starts only so), and one block
+USABLE = BLOCKS - 1  # vLLM keeps one block back (its null block)
+MAX_MODEL_LEN = 4096  # the tiny model's positions: the longest batch answers, the longest wait
+BATCH, BATCH_PROMPT, BATCH_TOKENS = 4, 16, 4000  # 4 x 32 blocks at the end, against 23
+INTERACTIVE_PROMPT = 100  # tokens: with its 4 output tokens, one block
+DEADLINE = 900.0  # seconds for the whole scenario on a busy machine
+
+
+@pytest.fixture(scope="module")
+def small_cache_engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    directory = tmp_path_factory.mktemp("preemption")
+    profile = yaml.safe_load(PROFILE.read_text())
+    profile["model"] = str((PROFILE.parent / profile["model"]).resolve())
+    profile["vllm"]["num-gpu-blocks-override"] = BLOCKS
+    profile["vllm"]["max-model-len"] = MAX_MODEL_LEN
+    profile["description"] = f"tiny-cpu-priority with a KV cache of {BLOCKS} blocks (preemption test)"
+    derived = directory / "tiny-cpu-priority-small-cache.yaml"
+    derived.write_text(yaml.safe_dump(profile))
+    yield from running_engine(derived, directory, reuse_env="TEST_SMALL_CACHE_ENGINE_URL")
+
+
+def settings(url: str) -> GatewaySettings:
+    return GatewaySettings.model_validate(
+        {
+            "models": [{"name": "tiny", "profile": str(PROFILE), "urls": [url]}],
+            "tenants": [
+                {"name": "planner", "api_keys": [KEYS["planner"]], "priority": "interactive"},
+                {"name": "articles", "api_keys": [KEYS["articles"]], "priority": "batch"},
+            ],
+            "timeouts": {"first_byte": DEADLINE, "idle": DEADLINE, "total": DEADLINE},
+        }
+    )
+
+
+def blocks(tokens: int) -> int:
+    return -(-tokens // BLOCK)
+
+
+def preemptions(engine_url: str) -> float:
+    """The sum of vLLM's per-request preemption histogram (observed as each request finishes)."""
+    name = "vllm:request_num_preemptions_sum"
+    text = httpx.get(f"{engine_url}/metrics", timeout=60).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+class Stream:
+    """One streamed completion: the tokens it has written so far, when its first came, when it ended."""
+
+    def __init__(self) -> None:
+        self.written = 0
+        self.first: float | None = None
+        self.done: float | None = None
+        self.status: int | None = None
+        self.tokens: int | None = None  # completion_tokens of its usage
+        self.last: deque[bytes] = deque(maxlen=3)  # its last lines, for a failure's message
+
+    def __repr__(self) -> str:
+        return f"Stream(status={self.status}, written={self.written}, tokens={self.tokens}, last={list(self.last)})"
+
+
+async def complete(
+    client: httpx.AsyncClient, url: str, tenant: str, prompt: list[int], tokens: int, out: Stream
+) -> None:
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "ignore_eos": True,
+        "stream": True,
+        # every chunk carries the tokens written so far (vLLM merges chunks for a slow reader)
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    headers = {"authorization": f"Bearer {KEYS[tenant]}"}
+    async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as response:
+        out.status = response.status_code
+        if response.status_code != 200:
+            await response.aread()
+            out.done = time.monotonic()
+            return
+        pending = b""
+        async for data in response.aiter_bytes():
+            *lines, pending = (pending + data).split(b"\n")  # not aiter_lines: random text holds U+2028
+            for line in lines:
+                if line.strip():
+                    out.last.append(line[:300])
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    out.written = out.tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and out.first is None:
+                    out.first = time.monotonic()
+    out.done = time.monotonic()
+
+
+def test_an_interactive_request_beside_a_full_cache_of_batch_is_answered_before_any_batch_ends(
+    small_cache_engine, gateway
+):
+    gw = gateway(settings(small_cache_engine.url))
+    before = preemptions(small_cache_engine.url)
+
+    async def scenario() -> tuple[list[Stream], Stream]:
+        async with httpx.AsyncClient(timeout=DEADLINE) as client:
+            batch = [Stream() for _ in range(BATCH)]
+            tasks = [
+                asyncio.create_task(complete(client, gw.url, "articles", [100 + i] * BATCH_PROMPT, BATCH_TOKENS, s))
+                for i, s in enumerate(batch)
+            ]
+            deadline = time.monotonic() + DEADLINE
+            while sum(blocks(BATCH_PROMPT + s.written) for s in batch) < USABLE:
+                assert not any(t.done() for t in tasks), ("a batch answer ended first", batch)
+                assert time.monotonic() < deadline, batch
+                await asyncio.sleep(0.01)
+            interactive = Stream()
+            prompt = [(7 * i) % 500 + 10 for i in range(INTERACTIVE_PROMPT)]  # in the tiny vocabulary (554)
+            await complete(client, gw.url, "planner", prompt, 4, interactive)
+            await asyncio.gather(*tasks)
+            return batch, interactive
+
+    batch, interactive = asyncio.run(scenario())
+    assert interactive.status == 200 and interactive.tokens == 4, interactive
+    assert all(s.status == 200 and s.tokens == BATCH_TOKENS for s in batch), batch
+    assert interactive.done is not None and all(s.done is not None for s in batch)
+    # Answered while every batch stream was still writing: it did not wait for a batch answer.
+    assert interactive.done < min(s.done for s in batch if s.done is not None)
+    # The engine preempted (vLLM records each finished request's preemptions): the batch cannot all
+    # fit beside it. The sum is read after every request has finished.
+    assert preemptions(small_cache_engine.url) - before >= 1

@@ -62,7 +62,8 @@ class PromptCosts:
 
     def settled(self, model: str, tenant: str, tokens: int) -> None:
         """An answer's prompt cost `tokens` (prompt_charge)."""
-        old = self.tenants.get((model, tenant))
-        self.tenants[model, tenant] = tokens if old is None else old + self.WEIGHT * (tokens - old)
-        old = self.models.get(model)
-        self.models[model] = tokens if old is None else old + self.WEIGHT * (tokens - old)
+        self.tenants[model, tenant] = self._moved(self.tenants.get((model, tenant)), tokens)
+        self.models[model] = self._moved(self.models.get(model), tokens)
+
+    def _moved(self, average: float | None, tokens: int) -> float:
+        return tokens if average is None else average + self.WEIGHT * (tokens - average)

@@ -10,7 +10,7 @@ import pytest
 from server.gateway.flow.classes import request_class
 from server.gateway.flow.control import FlowControl, Pass
 from server.gateway.flow.errors import QueueRefused
-from server.gateway.flow.fairshare import VirtualCounters, prompt_charge
+from server.gateway.flow.fairshare import PromptCosts, VirtualCounters, prompt_charge
 from server.gateway.flow.saturation import capacity
 from server.gateway.replicas.engine import Engine, EngineMetrics
 from server.gateway.replicas.pool import ModelPool
@@ -158,6 +158,18 @@ async def test_requests_let_in_at_once_count_before_they_end_so_a_newcomer_gets_
         gate.leave(held, usage(50, 50))  # used what it reserved: nothing returned
     await asyncio.wait_for(asyncio.gather(*tasks), 30)
     assert served[:4].count("light") == 2 and served[:8].count("light") == 4, served
+
+
+def test_a_tenants_recent_prompt_cost_is_a_moving_average_and_a_newcomer_gets_the_models() -> None:
+    costs = PromptCosts()
+    assert costs.expect("m", "a") == 0  # nothing settled on the model yet
+    costs.settled("m", "a", 100)
+    costs.settled("m", "a", 0)  # the newest answer weighs 0.2
+    assert costs.expect("m", "a") == pytest.approx(80)
+    costs.settled("m", "b", 10)
+    assert costs.expect("m", "b") == 10
+    assert costs.expect("m", "new") == pytest.approx(0.8 * 80 + 0.2 * 10)  # the model's average
+    assert costs.expect("other", "a") == 0  # per model
 
 
 async def test_a_request_let_in_at_once_reserves_its_tenants_recent_prompt_cost_too() -> None:

@@ -24,6 +24,7 @@ per workload). Each run measures, in one go:
   got served while both were backlogged, and the gateway's counters (virtual and served tokens).
 
 Usage: python -m bench.fairness --runs 3 --output docs/bench/fairness [--scenarios chapter,fair,uncached]
+       [--workers 2]  (the gateway's workers: each queues its own requests, with its share of the batch)
 The raw data (every request's timings) goes to OUTPUT/fairness.json, the summary to fairness.md.
 """
 
@@ -451,6 +452,15 @@ async def uncached(gateway: str, engine: str, args: Any, run: int) -> dict[str, 
 # -- processes --------------------------------------------------------------------------------------
 
 
+async def every_worker_started(gateway: Started, timeout: float = 300.0) -> None:
+    """Until the gateway's supervisor says every worker serves (its start line names their pids)."""
+    deadline = time.monotonic() + timeout
+    while "workers (pids" not in gateway.log.read_text(errors="replace"):
+        if gateway.process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the gateway's workers did not all start:\n{gateway.log_tail()}")
+        await asyncio.sleep(0.5)
+
+
 async def wait_ready(url: str, key: str | None, started: Started | None, timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     headers = {"authorization": f"Bearer {key}"} if key else {}
@@ -492,12 +502,14 @@ async def main_async(args: Any) -> int:
         gport = free_port()
         gateway = procs.start(
             "gateway",
-            [PYTHON, "-m", "server", "serve", "--config", str(config), "--port", str(gport)],
+            [PYTHON, "-m", "server", "serve", "--config", str(config), "--port", str(gport)]
+            + ["--workers", str(args.workers)],
             core=None,
             env={"PYTHONPATH": str(ROOT)},
         )
         gateway_url = f"http://127.0.0.1:{gport}"
         await wait_ready(gateway_url, KEYS["planner"], gateway)
+        await every_worker_started(gateway)
         await wait_ready(engine_url, None, None)
         for run in range(args.runs):
             entry: dict[str, Any] = {"run": run, "load": os.getloadavg()}
@@ -644,6 +656,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fair-tokens", type=int, default=32)
     parser.add_argument("--uncached-requests", type=int, default=40, help="per tenant")
     parser.add_argument("--prompt-chars", type=int, default=1200)
+    parser.add_argument(
+        "--workers", type=int, default=1, help="the gateway's workers (each queues its own requests: issue 32 item 5)"
+    )
     parser.add_argument("--render", help="re-render OUTPUT/fairness.md from this fairness.json (figures added since)")
     args = parser.parse_args(argv)
     if args.render:

@@ -26,9 +26,10 @@ PROFILE = Path(__file__).resolve().parents[3] / "configs" / "profiles" / "tiny-c
 KEYS = {"planner": "sk-real-planner", "articles": "sk-real-articles"}
 WAITING = 8  # batch requests beyond the engine's max-num-seqs (32): they wait in vLLM's queue
 # Each batch answer's length: the waiting ones wait that many engine steps, long enough on a busy
-# machine for a slow /metrics poll to see them and for the interactive request to arrive (at 96
-# tokens, two CPU hogs beside the test made it miss both).
-BATCH_TOKENS = 400
+# machine for a slow /metrics poll to see them and for the interactive request to arrive. The
+# engine writes hundreds of tokens a second while two CPU hogs make the request path take seconds:
+# at 96 tokens the poll missed the queue, at 400 the interactive request came after it.
+BATCH_TOKENS = 1500
 
 
 @pytest.fixture(scope="module")

@@ -108,7 +108,8 @@ class SharedEngine:
         return time.monotonic() - started
 
     def client(self, **kwargs: Any) -> httpx.Client:
-        """An httpx client whose refused connections wait for the engine's restart, then go again."""
+        """An httpx client whose requests, when they meet a dead engine, wait for its restart and go
+        again (WaitsForRestart)."""
         return httpx.Client(transport=WaitsForRestart(self), **kwargs)
 
     def log_size(self) -> int:

@@ -5,8 +5,9 @@ answer ends.
 The engine is tiny-cpu-priority with the tiny model's whole 4,096 positions and its KV cache cut
 to 33 blocks of 128 tokens (`num-gpu-blocks-override`; vLLM keeps one back: 32, the least it
 starts with). Four batch requests (16-token prompts), streamed through the gateway, each write
-4,000 tokens: 32 blocks apiece at the end, 128 in all. Once the blocks their streams have written fill the
-cache (each chunk carries the tokens so far: `continuous_usage_stats`), the interactive request
+4,000 tokens: 32 blocks apiece at the end, 128 in all. Once the blocks their streams have
+written fill the cache (each chunk carries the tokens so far: `continuous_usage_stats`), the
+interactive request
 goes in, one block's worth. vLLM never preempts for a waiting request, only when a running one
 needs a block the cache lacks: the batch requests do, from their 9th block on, and the scheduler
 preempts the lowest-priority running request (the newest batch one; again as the others grow).
@@ -20,9 +21,8 @@ waits behind them.
 What this shows: vLLM's `priority` comes from the tenant's class through the gate, the engine
 preempted (its `vllm:request_num_preemptions` histogram), and the interactive answer came while
 every batch stream was still writing. Nothing is timed: each step waits for what the streams
-report, bounded by a generous deadline. (The gate's own rule for a full cache,
-counting only the lowest class in flight, is a unit test: the cache is full here for tens of
-steps only.)
+report, bounded by a generous deadline. (The gate's own rule for a full cache, counting only
+the lowest class in flight, is a unit test: the cache is full here for tens of steps only.)
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import asyncio
 import json
 import time
 from collections import deque
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -40,15 +39,14 @@ import yaml
 
 from server.gateway.settings import GatewaySettings
 from tests.engine_process import running_engine
+from tests.gateway.flow.two_tenants import KEYS, PROFILE, two_tenants
 
 pytestmark = [pytest.mark.engine, pytest.mark.one_process("one engine, one gateway worker: the order is the engine's")]
 
-PROFILE = Path(__file__).resolve().parents[3] / "configs" / "profiles" / "tiny-cpu-priority.yaml"
-KEYS = {"planner": "sk-real-planner", "articles": "sk-real-articles"}
 BLOCKS, BLOCK = 33, 128  # the cut cache: one longest request (vLLM starts only so), and one block
 USABLE = BLOCKS - 1  # vLLM keeps one block back (its null block)
 MAX_MODEL_LEN = 4096  # the tiny model's positions: the longest batch answers, the longest wait
-BATCH, BATCH_PROMPT, BATCH_TOKENS = 4, 16, 4000  # 4 x 32 blocks at the end, against 23
+BATCH, BATCH_PROMPT, BATCH_TOKENS = 4, 16, 4000  # 4 x 32 blocks at the end, against USABLE
 INTERACTIVE_PROMPT = 100  # tokens: with its 4 output tokens, one block
 DEADLINE = 900.0  # seconds for the whole scenario on a busy machine
 
@@ -67,16 +65,7 @@ def small_cache_engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def settings(url: str) -> GatewaySettings:
-    return GatewaySettings.model_validate(
-        {
-            "models": [{"name": "tiny", "profile": str(PROFILE), "urls": [url]}],
-            "tenants": [
-                {"name": "planner", "api_keys": [KEYS["planner"]], "priority": "interactive"},
-                {"name": "articles", "api_keys": [KEYS["articles"]], "priority": "batch"},
-            ],
-            "timeouts": {"first_byte": DEADLINE, "idle": DEADLINE, "total": DEADLINE},
-        }
-    )
+    return two_tenants(url, timeouts={"first_byte": DEADLINE, "idle": DEADLINE, "total": DEADLINE})
 
 
 def blocks(tokens: int) -> int:
@@ -91,11 +80,10 @@ def preemptions(engine_url: str) -> float:
 
 
 class Stream:
-    """One streamed completion: the tokens it has written so far, when its first came, when it ended."""
+    """One streamed completion: the tokens it has written so far, and when it ended."""
 
     def __init__(self) -> None:
         self.written = 0
-        self.first: float | None = None
         self.done: float | None = None
         self.status: int | None = None
         self.tokens: int | None = None  # completion_tokens of its usage
@@ -135,8 +123,6 @@ async def complete(
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     out.written = out.tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and out.first is None:
-                    out.first = time.monotonic()
     out.done = time.monotonic()
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,11 +18,10 @@ import pytest
 
 from server.gateway.settings import GatewaySettings
 from tests.engine_process import running_engine
+from tests.gateway.flow.two_tenants import KEYS, PROFILE, two_tenants
 
 pytestmark = [pytest.mark.engine, pytest.mark.one_process("one engine, one gateway worker: the order is the engine's")]
 
-PROFILE = Path(__file__).resolve().parents[3] / "configs" / "profiles" / "tiny-cpu-priority.yaml"
-KEYS = {"planner": "sk-real-planner", "articles": "sk-real-articles"}
 WAITING = 8  # batch requests beyond the engine's max-num-seqs (32): they wait in vLLM's queue
 # Each batch answer's length: the waiting ones wait that many engine steps, long enough on a busy
 # machine for a slow /metrics poll to see them and for the interactive request to arrive. The
@@ -38,17 +36,11 @@ def priority_engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def settings(url: str) -> GatewaySettings:
-    return GatewaySettings.model_validate(
-        {
-            "models": [{"name": "tiny", "profile": str(PROFILE), "urls": [url]}],
-            "tenants": [
-                {"name": "planner", "api_keys": [KEYS["planner"]], "priority": "interactive"},
-                {"name": "articles", "api_keys": [KEYS["articles"]], "priority": "batch"},
-            ],
-            # The gate lets everything through (64 > the engine's 32): vLLM's own queue decides.
-            "flow": {"max_num_seqs": 64, "batch_headroom": 0},
-            "timeouts": {"first_byte": 600.0, "idle": 300.0, "total": 900.0},
-        }
+    return two_tenants(
+        url,
+        # The gate lets everything through (64 > the engine's 32): vLLM's own queue decides.
+        flow={"max_num_seqs": 64, "batch_headroom": 0},
+        timeouts={"first_byte": 600.0, "idle": 300.0, "total": 900.0},
     )
 
 

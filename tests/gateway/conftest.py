@@ -33,6 +33,7 @@ from server.deploy.plan import plan_deployment
 from server.gateway.app import create_app
 from server.gateway.app.application import GatewayApp
 from server.gateway.http.seam import protocol_for
+from server.gateway.serving.process import KEEP_ALIVE_S
 from server.gateway.serving.supervisor import WORKER_HEADER
 from server.gateway.settings import GatewaySettings, ModelEngines
 from standin import Standin, StandinConfig, build_app
@@ -172,7 +173,7 @@ def served_gateway(
     kwargs.setdefault("registry", CollectorRegistry())
     app = create_app(settings, models, **kwargs)
     # The gateway's own connection protocol, as `serve` runs it (http.seam).
-    with serve_in_thread(app, http=protocol_for(settings)) as url:
+    with serve_in_thread(app, http=protocol_for(settings), timeout_keep_alive=KEEP_ALIVE_S) as url:
         yield Gateway(url, app)
 
 

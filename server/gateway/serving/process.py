@@ -62,6 +62,11 @@ class GatewayServer(uvicorn.Server):
             self.should_exit = True
 
 
+# Seconds an idle client connection stays open: longer than httpx's own 5 s pool expiry, so a client
+# never sends on a connection the gateway is closing at the same moment (uvicorn's default is 5 s).
+KEEP_ALIVE_S = 30
+
+
 def uvicorn_config(app: Any, settings: GatewaySettings, headers: Sequence[tuple[str, str]] = ()) -> uvicorn.Config:
     return uvicorn.Config(
         app,
@@ -73,7 +78,7 @@ def uvicorn_config(app: Any, settings: GatewaySettings, headers: Sequence[tuple[
         backlog=2048,
         # uvicorn hints an int but waits with asyncio, so a fraction of a second works (tests use it).
         timeout_graceful_shutdown=settings.limits.shutdown_grace,  # type: ignore[arg-type]
-        timeout_keep_alive=30,
+        timeout_keep_alive=KEEP_ALIVE_S,
         access_log=False,
         log_config=None,
         proxy_headers=False,

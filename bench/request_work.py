@@ -148,13 +148,23 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the after gateway with bench.workers_bench's two tenants (quotas set, none reached); both sent its key",
     )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="the engine and this client on core 0, both gateways on core 1 (where the scheduler would "
+        "otherwise place each process anew every run, and the paired TTFT moves by tens of us with it)",
+    )
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)
+    engine_core, gateway_core = (0, 1) if args.pin else (None, None)
+    if args.pin:
+        os.sched_setaffinity(0, {0})
     renames = dict(item.split("=", 1) for item in args.rename)
 
     report = report_header()
     report.update(before=commit_of(args.before), after=commit_of(args.after), requests=args.requests, modes={})
     report["after_tenants"] = args.after_tenants
+    report["pinned"] = args.pin
     key = TENANT_KEY if args.after_tenants else None
     with tempfile.TemporaryDirectory(prefix="request-work-") as tmp, Processes(Path(tmp)) as procs:
         site = Path(tmp) / "site"
@@ -165,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             "standin",
             [PYTHON, "-m", "standin", "--port", str(engine_port), "--model", MODEL, "--ttft-ms", "1", "--itl-ms", "1",
              "--tokens", "8"],
-            core=None,
+            core=engine_core,
         )  # fmt: skip
         engine_url = f"http://127.0.0.1:{engine_port}"
         gateways = {}
@@ -183,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                 tenants = [{**t, "models": [MODEL]} if "models" in t else t for t in TENANTS_CONFIG["tenants"]]
                 config.write_text(json.dumps({"tenants": tenants}))  # JSON is YAML
                 argv += ["--config", str(config)]
-            started = procs.start(f"gateway-{side}", argv, core=None, env=env)
+            started = procs.start(f"gateway-{side}", argv, core=gateway_core, env=env)
             gateways[side] = (started, port, out, [str(code) + "/", *site_roots()])
         for side, (started, port, _, _) in gateways.items():
             ready = Client(port) if wait_listening(started, port) else None

@@ -29,9 +29,12 @@ single-turn questions, shuffled, two at a time), workload after workload within 
 Per policy: the cached share of prompt tokens (usage.prompt_tokens_details.cached_tokens summed
 over prompt tokens), cross-checked with the engines' vllm:prefix_cache_hits_total /
 queries_total deltas; TTFT p50/p90; requests per replica (vllm:request_success_total deltas);
-the gateway's routing reasons (its access log). `--rounds N` repeats the whole list with the same
-engines, for side-by-side ratios on a noisy machine. Writes report.md, summary.json and
-command.txt into `--output`. Every process it started is stopped on any exit (Ctrl-C too).
+the gateway's routing reasons (its access log); the engines' own queue, prefill and first-token
+seconds per replica. `--rounds N` repeats the whole list with the same engines, for side-by-side
+ratios on a noisy machine. Writes report.md, summary.json, command.txt and requests.jsonl.gz
+(every request: when it left, its TTFT, its prompt and cached tokens, its tenant, the replica
+that served it and the gateway's routing decision, joined by request id) into `--output`. Every
+process it started is stopped on any exit (Ctrl-C too).
 
 python -m bench.routing_experiment --help
 """
@@ -41,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gzip
 import json
 import logging
 import os
@@ -94,6 +98,7 @@ ROUTERS = {"router_cache_aware": "cache_aware", "router_kv_aware": "kv_aware"}  
 DEFAULT_POLICIES = ("round_robin", "approximate", "precise", "router_cache_aware", "router_kv_aware", ORACLE)
 VLLM_ROUTER = str(Path(PYTHON).with_name("vllm-router"))
 KV_EVENT_BLOCK_SIZE = 128  # the routing profile's block size
+SCRAPE_INTERVAL = 0.5  # the gateways' /metrics scrapes (--scrape-interval): what a long-running gateway has learned
 
 log = logging.getLogger("routing_experiment")
 
@@ -288,7 +293,16 @@ ENGINE_COUNTERS = {
     "hits": "vllm:prefix_cache_hits_total",
     "queries": "vllm:prefix_cache_queries_total",
     "requests": "vllm:request_success_total",
+    # The engine's own time split of its requests (sums of seconds, and how many): waiting in its
+    # queue, then prefilling; its TTFT. Per phase and replica they say where a slow TTFT came from.
+    "queue_s": "vllm:request_queue_time_seconds_sum",
+    "queued": "vllm:request_queue_time_seconds_count",
+    "prefill_s": "vllm:request_prefill_time_seconds_sum",
+    "prefilled": "vllm:request_prefill_time_seconds_count",
+    "ttft_s": "vllm:time_to_first_token_seconds_sum",
+    "ttfts": "vllm:time_to_first_token_seconds_count",
 }
+ENGINE_TIMES = ("queue_s", "queued", "prefill_s", "prefilled", "ttft_s", "ttfts")
 
 
 async def engine_counters(client: httpx.AsyncClient, url: str) -> dict[str, float]:
@@ -329,7 +343,11 @@ async def send_workload(
             for turn, (message, max_tokens) in enumerate(zip(session.turns, session.max_tokens, strict=True)):
                 messages.append(message)
                 record = RequestRecord(
-                    f"{label}-{session.id}-{turn}", run=label, session_id=session.id, turn=turn, max_tokens=max_tokens
+                    f"{_slug(label)}-{session.id}-{turn}",
+                    run=label,
+                    session_id=session.id,
+                    turn=turn,
+                    max_tokens=max_tokens,
                 )
                 answer = await client.stream(record, messages, origin=origin)
                 records.append(record)
@@ -367,9 +385,11 @@ class PhaseResult:
     ttft_p50_s: float = float("nan")
     ttft_p90_s: float = float("nan")
     split: dict[str, int] = field(default_factory=dict)  # engine URL -> requests it finished
+    engine_times: dict[str, dict[str, float]] = field(default_factory=dict)  # engine URL -> ENGINE_TIMES deltas
     reasons: dict[str, int] = field(default_factory=dict)  # the gateway's routing reasons
     sources: dict[str, int] = field(default_factory=dict)  # precise / approximate / none
     seconds: float = 0.0
+    rows: list[dict[str, Any]] = field(default_factory=list, repr=False)  # per request: requests.jsonl
 
     @property
     def cached_share(self) -> float:
@@ -388,9 +408,56 @@ class PhaseResult:
         return max(counts) / min(counts) if min(counts) else float("inf")
 
     def to_json(self) -> dict[str, Any]:
-        data = {k: v for k, v in self.__dict__.items()}
+        data = {k: v for k, v in self.__dict__.items() if k != "rows"}
         data.update(cached_share=self.cached_share, engine_share=self.engine_share, imbalance=self.imbalance)
         return data
+
+
+def routing_decisions(log: Path) -> dict[str, dict[str, Any]]:
+    """The gateway access log's routing decision of each request, by request id."""
+    out: dict[str, dict[str, Any]] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        if '"routing"' not in line:
+            continue
+        with contextlib.suppress(ValueError):
+            entry = json.loads(line)
+            routing = entry.get("routing")
+            if isinstance(routing, dict) and entry.get("request_id"):
+                out[str(entry["request_id"])] = routing
+    return out
+
+
+def request_rows(
+    records: list[RequestRecord],
+    tenants: dict[str, int],
+    decisions: dict[str, dict[str, Any]],
+    route: dict[int, str],
+    engines: list[str],
+) -> list[dict[str, Any]]:
+    """One row per request for requests.jsonl: when it left, its TTFT, its prompt and cached tokens,
+    its tenant and the replica that served it (the gateway's decision, or the oracle's route)."""
+    rows = []
+    for record in records:
+        tenant = tenants.get(record.session_id or "")
+        decision = decisions.get(record.request_id)
+        engine = decision.get("engine") if decision else None
+        if engine is None and tenant is not None and route.get(tenant) in engines:
+            engine = route[tenant].split("://", 1)[-1]  # the oracle sent it there itself (as the gateway's id)
+        rows.append(
+            {
+                "request_id": record.request_id,
+                "tenant": tenant,
+                "sent_s": round(record.sent_s, 4),
+                "ttft_s": None if record.ttft_s is None else round(record.ttft_s, 4),
+                "end_s": round(record.end_s, 4),
+                "prompt_tokens": record.prompt_tokens,
+                "cached_tokens": record.cached_tokens,
+                "error": record.error_kind,
+                "engine": engine,
+                "routing": decision,
+            }
+        )
+    return rows
 
 
 def routing_counts(log: Path) -> tuple[dict[str, int], dict[str, int]]:
@@ -441,7 +508,7 @@ async def run_phase(
                 port = free_port()
                 path = derived_config(
                     config, workdir, f"{_slug(workload)}-{_slug(phase.label)}-{round_}", phase.routing, port=port,
-                    host="127.0.0.1",
+                    host="127.0.0.1", metrics_scrape_interval=getattr(args, "scrape_interval", None),
                 )  # fmt: skip
                 gateway = processes.start(
                     f"gateway-{_slug(workload)}-{_slug(phase.label)}-{round_}",
@@ -473,8 +540,12 @@ async def run_phase(
     result.engine_hits = sum(after[u]["hits"] - before[u]["hits"] for u in engines)
     result.engine_queries = sum(after[u]["queries"] - before[u]["queries"] for u in engines)
     result.split = {u: round(after[u]["requests"] - before[u]["requests"]) for u in engines}
+    result.engine_times = {u: {k: after[u][k] - before[u][k] for k in ENGINE_TIMES} for u in engines}
+    decisions: dict[str, dict[str, Any]] = {}
     if gateway is not None and phase.base not in ROUTERS:
         result.reasons, result.sources = routing_counts(gateway.log)
+        decisions = routing_decisions(gateway.log)
+    result.rows = request_rows(records, {s.id: tenant_of(s) for s in conversations}, decisions, route, engines)
     say(
         f"{label}: cached share {result.cached_share:.3f} (engines {result.engine_share:.3f}), "
         f"TTFT p50 {result.ttft_p50_s * 1000:.0f} ms p90 {result.ttft_p90_s * 1000:.0f} ms, "
@@ -663,6 +734,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     parser.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=SCRAPE_INTERVAL,
+        help="seconds between the gateway's scrapes of each engine's /metrics (default %(default)s: a phase "
+        "lasts 2-3 s on a quiet machine, less than the gateway's own 5 s, and the approximate index would "
+        "run the whole of it on its first guess of 4 characters a token, which the tiny tokenizer halves)",
+    )
+    parser.add_argument(
         "--code",
         default="HEAD",
         help="git commit the gateways run (a copy of its server/), or `tree`: the working tree",
@@ -757,6 +836,7 @@ async def experiment(args: argparse.Namespace, argv: list[str]) -> int:
             for name, spec in specs.items()
         },  # fmt: skip
         "trimming": args.trimming,
+        "scrape_interval": args.scrape_interval,
         "engines_pinned": args.pin_engines,
         "engines": engines,
         "profile": str(plan.models[0].profile_path.relative_to(ROOT)) if plan.models[0].profile_path else None,
@@ -842,6 +922,10 @@ def write_results(output: Path, results: list[PhaseResult], meta: dict[str, Any]
     (output / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     (output / "report.md").write_text(report_markdown(results, meta, goals))
     (output / "command.txt").write_text(meta["command"] + "\n")
+    with gzip.open(output / "requests.jsonl.gz", "wt") as out:  # every request, for the figures' why
+        for r in results:
+            for row in r.rows:
+                out.write(json.dumps({"workload": r.workload, "round": r.round, "phase": r.label, **row}) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -209,3 +209,28 @@ def test_before_adds_each_cache_aware_policy_again_with_that_commits_gateway_rig
     ]  # fmt: skip
     assert todo[2].base == "approximate" and todo[2].code == "abc1234" and todo[1].code is None
     assert todo[2].routing == todo[1].routing
+
+
+def test_each_request_row_carries_its_gateway_decision_or_the_oracles_route(tmp_path: Path) -> None:
+    from bench.routing_experiment import request_rows, routing_decisions
+    from loadtest.records import RequestRecord
+
+    log = tmp_path / "gateway.log"
+    decision = {"engine": "127.0.0.1:8110", "reason": "wait", "matched": {"127.0.0.1:8110": 4}}
+    log.write_text(
+        json.dumps({"request_id": "r1", "routing": decision}) + "\n"
+        + json.dumps({"request_id": "r2", "routing": None}) + "\nnot json with \"routing\"\n"
+    )  # fmt: skip
+    decisions = routing_decisions(log)
+    assert decisions == {"r1": decision}
+    sent = RequestRecord("r1", session_id="tenant-3-conversation-0", sent_s=1.0, ttft_s=0.02, closed_s=0.05)
+    sent.prompt_tokens, sent.cached_tokens = 1459, 512
+    oracle = RequestRecord("r9", session_id="tenant-3-conversation-1", sent_s=2.0, ttft_s=0.03)
+    engines = ["http://127.0.0.1:8110", "http://127.0.0.1:8111"]
+    rows = request_rows([sent, oracle], {"tenant-3-conversation-0": 3, "tenant-3-conversation-1": 3}, decisions,
+                        {3: "http://127.0.0.1:8111"}, engines)  # fmt: skip
+    assert rows[0]["engine"] == "127.0.0.1:8110" and rows[0]["routing"] == decision  # the gateway's own word
+    assert rows[0]["end_s"] == 1.05 and rows[0]["cached_tokens"] == 512 and rows[0]["tenant"] == 3
+    assert rows[1]["engine"] == "127.0.0.1:8111" and rows[1]["routing"] is None  # the oracle sent it there
+    through_gateway = request_rows([oracle], {"tenant-3-conversation-1": 3}, {}, {3: "http://127.0.0.1:9000"}, engines)
+    assert through_gateway[0]["engine"] is None  # a gateway's URL is not a replica

@@ -17,6 +17,11 @@ skipped: it cannot be keyed. A `BlockRemoved` for an unknown hash is ignored.
 
 After routing, `speculate` adds the request's blocks for `speculative_ttl` seconds, so a burst
 of identical prompts does not scatter before the engine's events arrive (llm-d does the same).
+A speculative entry ends as soon as the events speak of its block: stored, it is held; removed,
+it is gone. Kept to its expiry instead, it outlived the block: at issue 34's pace (30 requests a
+second, a cache of 48 blocks) a tenant's blocks were evicted within a few requests, and the index
+still counted them held for the rest of the 2 s, so half of the requests it sent "home" to their
+tenant's blocks (37 of 72 a phase) found only the shared prefix there.
 
 `live` says whether the engine's events are being received (the subscriber is connected);
 while not, routing uses the approximate index for that engine. `purge` forgets an engine's blocks
@@ -117,6 +122,7 @@ class PreciseIndex:
                 continue  # announced again (a reused block): already held
             state.keys[engine_hash] = key
             state.held[key] = state.held.get(key, 0) + 1
+            state.speculative.pop(key, None)  # held now: the events say when it goes
         state.stored += count
         if len(state.held) > self.max_blocks:
             log.warning("engine %s: more than %d blocks indexed; forgetting them", engine, self.max_blocks)
@@ -136,6 +142,7 @@ class PreciseIndex:
                 state.held[key] = left
             else:
                 state.held.pop(key, None)
+                state.speculative.pop(key, None)  # evicted: no longer there, whatever was routed
 
     def purge(self, engine: str, reason: str) -> None:
         """Forget everything about `engine`'s blocks (whether it is live is the caller's to say)."""

@@ -168,3 +168,32 @@ def test_memory_is_bounded():
     assert index.held("a") == 0 and index.state("a").purges == {"overflow": 1}
     index.speculate("a", list(range(10)), now=0)
     assert len(index.state("a").speculative) <= 3
+
+
+def test_a_speculative_entry_ends_when_the_events_speak_of_its_block():
+    """Issue 34's quiet-machine runs: a tenant's blocks were evicted within a few requests, and the
+    speculative entries still counted them held until they expired (2 s: 60 requests at that pace),
+    so 37 of 72 requests sent to their tenant's blocks a phase found only the shared prefix there."""
+    index = PreciseIndex(speculative_ttl=2.0)
+    prompt = list(range(12))
+    keys = token_blocks(prompt, 4)
+    index.speculate("a", keys, now=10.0)
+    assert index.matched("a", keys, now=10.1) == 3  # routed: counted before its events arrive
+    stored(index, "a", [1, 2, 3], None, prompt)  # stored: held as the events say
+    index.removed("a", [2, 3])  # then evicted, long before the entry would expire
+    assert index.matched("a", keys, now=10.2) == 1
+    assert index.matched("a", keys, now=99.0) == 1  # the stored first block stays until removed
+    index.speculate("a", keys, now=20.0)  # routed again: counted again until the events say otherwise
+    assert index.matched("a", keys, now=20.1) == 3
+    index.removed("a", [1])
+    assert index.matched("a", keys, now=20.2) == 0  # its first block is gone: nothing leads there
+
+
+def test_an_eviction_of_another_engines_copy_leaves_the_speculation_alone():
+    index = PreciseIndex(speculative_ttl=2.0)
+    prompt = list(range(8))
+    keys = token_blocks(prompt, 4)
+    stored(index, "b", [1, 2], None, prompt)
+    index.speculate("a", keys, now=0.0)
+    index.removed("b", [1, 2])
+    assert index.matched("a", keys, now=0.5) == 2 and index.matched("b", keys, now=0.5) == 0

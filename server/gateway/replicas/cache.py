@@ -193,6 +193,15 @@ class CacheState:
             out.append(Candidate(engine, self.approximate.matched(engine.id, keys, now), held, min(1.0, pressure)))
         return "approximate", len(keys), out
 
+    def tokens_per_block(self, engine: Engine, source: str, configured_block_size: int | None = None) -> float:
+        """Prompt tokens in one of `source`'s blocks on `engine`: its KV block size (precise), or a text
+        block's characters at the engine's learned characters per token (approximate)."""
+        if source == "precise":
+            return float(self.block_size(engine, configured_block_size))
+        if source == "approximate":
+            return self.block_chars / self._ratio(engine).value
+        return 0.0
+
     def hot_blocks(
         self,
         engines: Sequence[Engine],

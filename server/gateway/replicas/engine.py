@@ -32,6 +32,11 @@ class EngineMetrics:
     preemptions: float | None = None  # requests preempted because the KV cache was full
     kv_capacity_tokens: float | None = None  # KV-cache capacity the engine reports
     block_size: int | None = None  # tokens per KV-cache block (vllm:cache_config_info)
+    # Over its life, for what a request costs it before its first token (service.py): seconds of
+    # prefill (from scheduled to first token), and time to first token summed and counted.
+    prefill_seconds: float | None = None
+    first_token_seconds: float | None = None
+    first_tokens: float | None = None
 
 
 NO_METRICS = EngineMetrics()  # before the first good scrape, and after a failed one

@@ -7,6 +7,9 @@ for routing (`ModelPool.prompt`, which may ask an engine's /tokenize). Taking a 
 (`ModelPool.route`, or `acquire` for the replica alone) is the routing decision, the
 outstanding-request increment and the record of where the prompt went, in one synchronous step,
 so two requests arriving together cannot both see an idle engine (there is no `await` in between).
+The pool also keeps each replica's requests in flight (service.py: when each was sent and how many
+prompt tokens it computes), so the scorer can weigh the work a request would wait behind against
+what a replica's cache saves it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from server.gateway.replicas import routing
 from server.gateway.replicas.cache import CacheState, PromptView
 from server.gateway.replicas.engine import Engine
 from server.gateway.replicas.scoring import Decision, choose_scored
+from server.gateway.replicas.service import InFlight, PrefillCost
 from server.gateway.settings import Routing
 
 
@@ -40,6 +44,8 @@ class ModelPool:
     _turn: int = field(default=0, init=False, repr=False)
     # The engine ids of the last cache_aware decisions, for the split guard (Routing.share_window).
     _recent: deque[str] = field(default_factory=deque, init=False, repr=False)
+    # Each replica's requests in flight, by engine id (service.py).
+    _inflight: dict[str, InFlight] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def max_model_len(self) -> int | None:
@@ -96,6 +102,7 @@ class ModelPool:
             if chosen is None:
                 return None
             chosen[0].outstanding += 1
+            self._inflight_of(chosen[0]).sent(time.perf_counter(), 0)
             return Decision(chosen[0], chosen[1], policy.policy)
         live = [e for e in self.engines if e.healthy and e not in exclude]
         if not live:
@@ -104,6 +111,7 @@ class ModelPool:
         if len(live) == 1:  # nothing to choose: no prefix matching, no scores (the log says `only_choice`)
             engine = live[0]
             engine.outstanding += 1
+            self._inflight_of(engine).sent(time.perf_counter(), 0)
             self.cache.sent(engine, prompt, now, configured_block_size=self.configured_block_size)
             self._remember(engine, policy.share_window)
             return Decision(engine, "only_choice", "cache_aware")
@@ -113,7 +121,20 @@ class ModelPool:
         )
         hot = self.cache.hot_blocks(live, prompt, source, configured_block_size=self.configured_block_size)
         recent = Counter(self._recent)
-        candidates = [dataclasses.replace(c, recent=recent.get(c.engine.id, 0)) for c in candidates]
+        clock = time.perf_counter()
+        per_block = {
+            e.id: self.cache.tokens_per_block(e, source, configured_block_size=self.configured_block_size) for e in live
+        }
+        costs = {e.id: PrefillCost.of(e.metrics) for e in live}
+        candidates = [
+            dataclasses.replace(
+                c,
+                recent=recent.get(c.engine.id, 0),
+                wait=self._inflight_of(c.engine).left(costs[c.engine.id], clock),
+                block_seconds=_block_seconds(costs[c.engine.id], per_block[c.engine.id]),
+            )
+            for c in candidates
+        ]
         preferred = routing.rendezvous_order(key, live)[0] if routing.is_session_key(key) and key else None
         decision = choose_scored(
             candidates,
@@ -128,7 +149,10 @@ class ModelPool:
             max_split=policy.max_split,
         )
         assert decision is not None  # `live` is not empty
-        decision.engine.outstanding += 1
+        engine = decision.engine
+        engine.outstanding += 1
+        matched = next(c.matched for c in decision.candidates if c.engine is engine)
+        self._inflight_of(engine).sent(clock, max(0, blocks - matched) * per_block[engine.id])
         self.cache.sent(decision.engine, prompt, now, configured_block_size=self.configured_block_size)
         self._remember(decision.engine, policy.share_window)
         return decision
@@ -145,10 +169,16 @@ class ModelPool:
         live = [e for e in self.engines if e.healthy]
         return min(live, key=lambda e: e.outstanding) if live else None
 
-    @staticmethod
-    def release(engine: Engine) -> None:
+    def release(self, engine: Engine) -> None:
         """The request `acquire` counted against `engine` is over."""
         engine.outstanding -= 1
+        self._inflight_of(engine).ended()
+
+    def _inflight_of(self, engine: Engine) -> InFlight:
+        inflight = self._inflight.get(engine.id)
+        if inflight is None:
+            inflight = self._inflight[engine.id] = InFlight()
+        return inflight
 
     def card(self) -> dict[str, object]:
         """The model's /v1/models entry: an engine's own card when one has reported it."""
@@ -207,3 +237,8 @@ class EnginePool:
     def ready(self) -> bool:
         """At least one healthy replica for every model."""
         return bool(self.models) and all(pool.healthy_count for pool in self.models.values())
+
+
+def _block_seconds(cost: PrefillCost | None, tokens_per_block: float) -> float:
+    """Seconds computing one prompt block takes an engine (0 while its cost is unknown)."""
+    return cost.per_token * tokens_per_block if cost is not None else 0.0

@@ -42,10 +42,23 @@ of a decision where the candidates' in-flight counts differ by `STALL_REQUESTS` 
 from a request with a session id or `user`: it keeps its replica within the load bound, as before.
 Ties go to the caller's rotating turn.
 
+The wait rule, at any concurrency: when the winner has requests in flight and another candidate
+has none, the request goes to the idle one unless what the winner's cache saves outweighs the
+wait, both in seconds (service.py, from the engines' own prefill and first-token figures): the
+blocks the winner holds beyond the idle one's, times the seconds a computed block takes there
+(`Candidate.block_seconds`), against the expected seconds of its in-flight requests' work before
+their first tokens still ahead (`Candidate.wait`). In issue 34's hot-prefix
+runs the scores sent a third of the requests to a replica that was busy while the other sat idle
+(two requests in flight): behind a request still prefilling, for a cache saving of a few
+milliseconds or none (a `balance` or `kv_usage` lead), which put them in the slowest tenth. A
+request with a session id or `user` is left to its replica (load bound only), and the rule stays
+out while the busy replica's costs are unknown (an engine that has computed too little to say).
+
 The decision says why: the reason is the scorer that contributed most to the winner's lead over
 the runner-up (`tie` when there was no lead, `only_choice` / `load_bound` when there was no
-contest, `split_bound` when the split guard took the others out); `balance` only when the winner
-does not also hold more of the prompt (into equally full caches, balance follows the prefix).
+contest, `split_bound` when the split guard took the others out, `wait` when the wait rule moved
+the request to an idle replica); `balance` only when the winner does not also hold more of the
+prompt (into equally full caches, balance follows the prefix).
 No I/O, no clocks.
 """
 
@@ -77,6 +90,8 @@ class Candidate:
     held: int = 0  # blocks its cache holds in all (per the same index)
     pressure: float = 0.0  # 0..1: how full its cache is and whether it is evicting (cache.py)
     recent: int = 0  # requests routed to it in the pool's recent window
+    wait: float = 0.0  # expected seconds of its in-flight work still ahead of a request sent now (service.py)
+    block_seconds: float = 0.0  # what computing one prompt block (of the index's size) takes it (service.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +117,8 @@ class Decision:
             out["hot_blocks"] = self.hot_blocks
             out["matched"] = {c.engine.id: c.matched for c in self.candidates}
             out["scores"] = {c.engine.id: round(s, 3) for c, s in zip(self.candidates, self.scores, strict=True)}
+            if any(c.wait for c in self.candidates):
+                out["wait_ms"] = {c.engine.id: round(c.wait * 1000, 1) for c in self.candidates}
             out["parts"] = {name: round(value, 3) for name, value in self.parts.items()}
         return out
 
@@ -147,6 +164,14 @@ def spread_score(candidate: Candidate, window: int, replicas: int) -> float:
     even = 1.0 / replicas
     share = min(1.0, candidate.recent / window)
     return 1.0 - max(0.0, share - even) / (1.0 - even)
+
+
+def worth_the_wait(busy: Candidate, idle: Candidate) -> bool:
+    """Whether `busy`'s cache saves more seconds than `busy`'s in-flight work costs a request sent
+    now: the blocks it holds beyond what `idle` holds, at its `block_seconds` each, against its
+    `wait`."""
+    saved = max(0, busy.matched - idle.matched) * max(0.0, busy.block_seconds)
+    return saved > busy.wait
 
 
 def max_share(replicas: int, max_split: float) -> float:
@@ -222,9 +247,9 @@ def choose_scored(
     min_window: int = 16,
     max_split: float = 1.4,
 ) -> Decision | None:
-    """The best-scoring candidate within the load bound and the split guard, or None when there is
-    no candidate. `window`: requests in the pool's recent window (each candidate's `recent` counts
-    its own share of them)."""
+    """The best-scoring candidate within the load bound and the split guard, then the wait rule,
+    or None when there is no candidate. `window`: requests in the pool's recent window (each
+    candidate's `recent` counts its own share of them)."""
     if not candidates:
         return None
     if preferred is not None or window < min_window:
@@ -252,7 +277,16 @@ def choose_scored(
     best = max(totals)
     ties = [i for i, t in enumerate(totals) if t >= best - _EPSILON]
     winner = ties[turn % len(ties)]
-    if len(eligible) == 1:
+    waited = False
+    if preferred is None and eligible[winner].engine.outstanding and eligible[winner].block_seconds > 0:
+        idle = [i for i, c in enumerate(eligible) if not c.engine.outstanding]
+        if idle:
+            best_idle = max(idle, key=lambda i: totals[i])
+            if not worth_the_wait(eligible[winner], eligible[best_idle]):
+                winner, waited = best_idle, True
+    if waited:
+        reason = "wait"
+    elif len(eligible) == 1:
         reason = "only_choice" if len(candidates) == 1 else "split_bound" if split_bound else "load_bound"
     elif len(ties) > 1:
         reason = "tie"

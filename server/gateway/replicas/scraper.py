@@ -34,9 +34,18 @@ PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total
 RUNNING = ("vllm:num_requests_running",)
 WAITING = ("vllm:num_requests_waiting",)
 PREEMPTIONS = ("vllm:num_preemptions_total",)
+# Histograms' sums and counts only, never their buckets.
+PREFILL_SECONDS = ("vllm:request_prefill_time_seconds_sum",)
+FIRST_TOKEN_SECONDS = ("vllm:time_to_first_token_seconds_sum",)
+FIRST_TOKENS = ("vllm:time_to_first_token_seconds_count",)
 CACHE_CONFIG = "vllm:cache_config_info"
 
-_WANTED = frozenset((*KV_USAGE, *PREFIX_QUERIES, *PREFIX_HITS, *RUNNING, *WAITING, *PREEMPTIONS, CACHE_CONFIG))
+_WANTED = frozenset(
+    (
+        *KV_USAGE, *PREFIX_QUERIES, *PREFIX_HITS, *RUNNING, *WAITING, *PREEMPTIONS, *PREFILL_SECONDS,
+        *FIRST_TOKEN_SECONDS, *FIRST_TOKENS, CACHE_CONFIG,
+    )
+)  # fmt: skip
 # Line prefixes worth handing to the parser: our samples and their # TYPE/# HELP lines. The rest
 # of a vLLM scrape (hundreds of histogram buckets) is skipped without being parsed.
 _PREFIXES = tuple(sorted({n.removesuffix("_total") for n in _WANTED}))
@@ -108,6 +117,9 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
         preemptions=first(PREEMPTIONS),
         kv_capacity_tokens=capacity,
         block_size=block_size,
+        prefill_seconds=first(PREFILL_SECONDS),
+        first_token_seconds=first(FIRST_TOKEN_SECONDS),
+        first_tokens=first(FIRST_TOKENS),
     )
 
 

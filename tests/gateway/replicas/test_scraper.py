@@ -267,3 +267,23 @@ async def test_scrape_real_engine(real_engine):
         "gateway_engine_preemptions_total",
     ):
         assert (name, labels) in got, name
+
+
+def test_the_prefill_and_first_token_sums_are_read_and_the_buckets_skipped():
+    text = "\n".join(
+        [
+            "# TYPE vllm:request_prefill_time_seconds histogram",
+            'vllm:request_prefill_time_seconds_bucket{engine="0",le="0.01",model_name="m"} 3.0',
+            'vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 0.25',
+            'vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 9.0',
+            "# TYPE vllm:time_to_first_token_seconds histogram",
+            'vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 0.5',
+            'vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 9.0',
+            'vllm:time_to_first_token_seconds_sum{engine="1",model_name="m"} 0.25',
+            'vllm:time_to_first_token_seconds_count{engine="1",model_name="m"} 3.0',
+        ]
+    )
+    metrics = parse_engine_metrics(text)
+    assert metrics.prefill_seconds == 0.25
+    assert metrics.first_token_seconds == 0.75 and metrics.first_tokens == 12.0  # data-parallel ranks summed
+    assert parse_engine_metrics("").first_tokens is None

@@ -13,11 +13,13 @@ Why text for the approximate index: it needs no tokenizer and no extra round tri
 front of any engine; the text blocks do not line up with the engine's token blocks, but the
 approximate index only compares prompts with the prompts the gateway itself sent. Why /tokenize
 for the precise one: vLLM's own chat template and tokenizer, exactly what the engine prefills;
-one small request to an engine per routed request, only while precise routing can use it.
+one small request to an engine per new way a chat opens (its leading messages, remembered in
+tokens.py) or per single-message prompt, only while precise routing can use it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -37,6 +39,7 @@ from server.gateway.replicas.blocks import (
 from server.gateway.replicas.engine import Engine
 from server.gateway.replicas.precise import PreciseIndex
 from server.gateway.replicas.scoring import Candidate
+from server.gateway.replicas.tokens import LeadingTokens, leading_request, request_key
 
 log = logging.getLogger("gateway.routing")
 
@@ -91,16 +94,56 @@ def tokenize_request(model: str, body: Mapping[str, Any]) -> dict[str, Any] | No
 
 
 class EngineTokenizer:
-    """Token ids from an engine's /tokenize; None on any failure (routing then goes approximate)."""
+    """Token ids from an engine's /tokenize; None on any failure (routing then goes approximate).
 
-    def __init__(self, client: httpx.AsyncClient, timeout: float) -> None:
+    A chat request whose leading messages were tokenized before is keyed from those (tokens.py),
+    with no round trip. When they are new, the request goes on at once (None: approximate routing,
+    which knows what this gateway sent) while both its whole prompt and its leading messages are
+    tokenized in the background, so the next request that opens the same way is keyed precisely.
+    A prompt with no leading messages (one message, or the completions API) is tokenized whole,
+    before routing, as every request was before."""
+
+    def __init__(self, client: httpx.AsyncClient, timeout: float, *, leading: LeadingTokens | None = None) -> None:
         self.client = client
         self.timeout = httpx.Timeout(timeout)
+        self.leading = leading if leading is not None else LeadingTokens()
+        self._learning: dict[bytes, asyncio.Task[None]] = {}  # leading-message keys being tokenized
 
     async def __call__(self, model: str, engine: Engine, body: Mapping[str, Any]) -> list[int] | None:
         request = tokenize_request(model, body)
         if request is None:
             return None
+        head = leading_request(request) if self.leading.usable(model) else None
+        if head is None:
+            return await self._tokenize(engine, request)
+        key = request_key(head)
+        known = self.leading.get(model, key)
+        if known is None and key not in self._learning:
+            task = asyncio.create_task(self._learn(model, engine, key, request, head))
+            self._learning[key] = task
+            task.add_done_callback(lambda _: self._learning.pop(key, None))
+        return known
+
+    async def _learn(
+        self, model: str, engine: Engine, key: bytes, request: Mapping[str, Any], head: Mapping[str, Any]
+    ) -> None:
+        try:
+            full, leading = await asyncio.gather(self._tokenize(engine, request), self._tokenize(engine, head))
+        except Exception as exc:  # nobody awaits this task: a closed client must not leave its error unread
+            log.info("engine %s: background /tokenize for routing failed (%r)", engine.id, exc)
+            return
+        if full is not None and leading is not None and not self.leading.learn(model, key, leading, full):
+            log.warning("model %s: its chat template renders leading messages differently when more follow; "
+                        "precise routing tokenizes every prompt whole", model)  # fmt: skip
+
+    async def aclose(self) -> None:
+        """Cancel the background tokenizations still running (the gateway is stopping)."""
+        tasks = list(self._learning.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _tokenize(self, engine: Engine, request: Mapping[str, Any]) -> list[int] | None:
         try:
             response = await self.client.post(f"{engine.url}/tokenize", json=request, timeout=self.timeout)
             response.raise_for_status()

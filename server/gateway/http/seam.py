@@ -53,9 +53,9 @@ from server.gateway.http.admission import (
     TooManyConnections,
     raw_error_response,
 )
-from server.gateway.http.writers import ChunkedWriter, SendWriter, body_writer, start_body
+from server.gateway.http.writers import ChunkedWriter, SendWriter, body_writer, send_whole, start_body
 
-__all__ = ["ChunkedWriter", "SendWriter", "body_writer", "start_body"]  # http.writers', re-exported
+__all__ = ["ChunkedWriter", "SendWriter", "body_writer", "send_whole", "start_body"]  # http.writers', re-exported
 
 
 class ConnectionLimits:
@@ -363,10 +363,14 @@ PROTOCOL_METHODS = (
 )
 CYCLE_METHODS = ("send", "receive")
 FLOW_METHODS = ("drain", "resume_reading", "pause_reading")
+UTILS_NAMES = ("get_client_addr", "get_path_with_query_string")  # uvicorn's access line, where it is on
+# What http.writers writes answer heads with, as uvicorn's `send` does (module-level names).
+HEAD_NAMES = ("STATUS_LINE", "RequestResponseCycle")  # and utils' two below
 
 
 def uvicorn_problems() -> list[str]:
     """What differs in the installed uvicorn from what the seam relies on ([] when nothing does)."""
+    from uvicorn.protocols import utils
     from uvicorn.protocols.http import flow_control, httptools_impl
 
     problems = [
@@ -376,6 +380,8 @@ def uvicorn_problems() -> list[str]:
     problems += [f"RequestResponseCycle.{name}" for name in CYCLE_METHODS if not callable(getattr(cycle, name, None))]
     flow = getattr(flow_control, "FlowControl", None)
     problems += [f"FlowControl.{name}" for name in FLOW_METHODS if not callable(getattr(flow, name, None))]
+    problems += [f"httptools_impl.{name}" for name in HEAD_NAMES if not hasattr(httptools_impl, name)]
+    problems += [f"utils.{name}" for name in UTILS_NAMES if not callable(getattr(utils, name, None))]
     return problems
 
 

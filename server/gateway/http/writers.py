@@ -2,15 +2,34 @@
 transport, or through any ASGI `send` under another server.
 
 Like the rest of the seam it reads uvicorn's per-request cycle (`transport`, `flow`,
-`disconnected`, `response_started`, `response_complete`, `chunked_encoding`); the internals are
-checked at start by `seam.uvicorn_problems()` and tested one by one in
-tests/gateway/http/test_uvicorn_internals.py. Imported through http.seam.
+`disconnected`, `response_started`, `response_complete`, `chunked_encoding`; for the heads below
+also `scope`, `default_headers`, `keep_alive`, `access_log`, `access_logger`,
+`waiting_for_100_continue`, `expected_content_length`, and the module's `STATUS_LINE`); the
+internals are checked at start by `seam.uvicorn_problems()` and tested in
+tests/gateway/http/test_uvicorn_internals.py and test_head_writer.py. Imported through http.seam.
+
+The gateway's answer heads (`start_body`, `send_whole`) are written here too, as uvicorn's `send`
+writes them: its status lines, its default headers, its checks of names and values, the same
+connection state afterwards. The checks run once over the whole head (`bytes.translate`) instead
+of two regular expressions a header: a tenant's answer carries six rate-limit headers, and those
+checks were a tenth of what a tenant's request costs the gateway. A head this writer does not
+handle the way uvicorn would (a `connection` header, a HEAD request, 204/304, a bad name or value)
+goes through uvicorn's `send`, which writes it or raises as before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
+
+_CYCLE: Any  # uvicorn's per-request cycle class (None: not found): the heads written here are its answers'
+try:
+    from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle
+    from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
+
+    _CYCLE = RequestResponseCycle
+except ImportError:  # another uvicorn: every head goes through its `send` (seam.uvicorn_problems names what lacks)
+    _CYCLE = None
 
 
 class ChunkedWriter:
@@ -111,6 +130,85 @@ class SendWriter:
         return body
 
 
+# The bytes uvicorn's HEADER_RE and HEADER_VALUE_RE refuse in a name and in a value (checked against
+# them byte by byte in the tests): `translate` drops them in one C pass over the head, where a
+# regular expression's character class costs ~40 instructions a byte.
+BAD_NAME_BYTES = bytes(range(0x20)) + b'\x7f()<>@,;:[]={} \t\\"'
+BAD_VALUE_BYTES = bytes([*range(0x09), *range(0x0A, 0x20), 0x7F])
+
+
+def _head(cycle: Any, status: int, headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
+    """The head uvicorn's `send` would write for `http.response.start` with `status` and `headers`,
+    with the cycle left as `send` leaves it; None (nothing changed) for a head `send` must write."""
+    scope = cycle.scope
+    if status in (204, 304) or scope["method"] == "HEAD":
+        return None
+    content = [STATUS_LINE[status]]
+    names: list[bytes] = []
+    values: list[bytes] = []
+    length: int | None = None
+    chunked = False
+    for name, value in (*cycle.default_headers, *headers):
+        name = name.lower()
+        if name == b"content-length":
+            if length is None and not chunked:
+                length = int(value.decode())
+        elif name == b"transfer-encoding":
+            chunked = chunked or value.lower() == b"chunked"
+        elif name == b"connection":
+            return None  # (it may close the connection: uvicorn's send keeps that state)
+        names.append(name)
+        values.append(value)
+        content += (name, b": ", value, b"\r\n")
+    names_text, values_text = b"".join(names), b"\t".join(values)
+    if len(names_text.translate(None, BAD_NAME_BYTES)) != len(names_text) or len(
+        values_text.translate(None, BAD_VALUE_BYTES)
+    ) != len(values_text):
+        return None  # uvicorn's send refuses it
+    if cycle.access_log:  # uvicorn's access log, where it is on (the gateway's `serve` has its own)
+        cycle.access_logger.info(
+            '%s - "%s %s HTTP/%s" %d',
+            get_client_addr(scope),
+            scope["method"],
+            get_path_with_query_string(scope),
+            scope["http_version"],
+            status,
+        )
+    if not cycle.keep_alive:
+        content.append(b"connection: close\r\n")
+    if length is None and not chunked:  # neither given: uvicorn's send makes the body chunked
+        chunked = True
+        content.append(b"transfer-encoding: chunked\r\n")
+    content.append(b"\r\n")
+    cycle.response_started = True
+    cycle.waiting_for_100_continue = False
+    cycle.chunked_encoding = chunked
+    cycle.expected_content_length = 0 if chunked else length
+    return b"".join(content)
+
+
+def _own_head(cycle: Any, message: MutableMapping[str, Any]) -> bytes | None:
+    """`message`'s head written here (`_head`) when `cycle` is uvicorn's, its response not started
+    and its client taking writes now; else None, and `send` is to take the message."""
+    if _CYCLE is None or type(cycle) is not _CYCLE or cycle.response_started or cycle.flow.write_paused:
+        return None
+    if cycle.disconnected:
+        return None
+    return _head(cycle, message["status"], message["headers"])
+
+
+async def send_whole(send: Any, message: MutableMapping[str, Any], body: bytes) -> None:
+    """Send `message` (`http.response.start`, with its content-length) and `body`, the whole
+    answer: under uvicorn the head is written here (see the module doc), the body through `send`."""
+    cycle: Any = getattr(send, "__self__", None)
+    head = _own_head(cycle, message)
+    if head is None:
+        await send(message)
+    else:
+        cycle.transport.write(head)
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
 def body_writer(send: Any) -> ChunkedWriter | SendWriter:
     """How to write the body of the response `send` has started: straight to uvicorn's transport
     when `send` is uvicorn's and the response is chunked, else through `send`."""
@@ -129,11 +227,18 @@ def body_writer(send: Any) -> ChunkedWriter | SendWriter:
 async def start_body(send: Any, message: MutableMapping[str, Any]) -> ChunkedWriter | SendWriter:
     """Send `message` (`http.response.start`) and return the writer of the body it starts (`body_writer`).
 
-    Under uvicorn the head its `send` writes is held by the writer and leaves with the first
-    flush: the head and the first chunk in one system call instead of two. (uvicorn's `send`
-    writes a head to `cycle.transport` and does nothing else with it, and does not wait when
-    the client's buffer is not full: for that one call the transport is a stand-in.)"""
+    Under uvicorn the head (written here, see the module doc, or else by uvicorn's `send`) is held
+    by the writer and leaves with the first flush: the head and the first chunk in one system call
+    instead of two. (uvicorn's `send` writes a head to `cycle.transport` and does nothing else with
+    it, and does not wait when the client's buffer is not full: for that one call the transport is
+    a stand-in.)"""
     cycle: Any = getattr(send, "__self__", None)
+    head = _own_head(cycle, message)
+    if head is not None:
+        if cycle.chunked_encoding:
+            return ChunkedWriter(cycle, head)
+        cycle.transport.write(head)
+        return SendWriter(send)
     transport = getattr(cycle, "transport", None)
     flow = getattr(cycle, "flow", None)
     if transport is None or flow is None or flow.write_paused or getattr(cycle, "response_started", True):

@@ -13,7 +13,7 @@ import logging
 
 from server.gateway.errors import UpstreamFailed, UpstreamTimeout, send_error
 from server.gateway.http.asgi import Headers, Message, Send
-from server.gateway.http.seam import ChunkedWriter, SendWriter, abort_connection
+from server.gateway.http.seam import ChunkedWriter, SendWriter, abort_connection, send_whole
 from server.gateway.observability.record import CLIENT_CLOSED, CLIENT_STALLED, RequestRecord
 from server.gateway.proxy.context import ProxyContext
 from server.gateway.proxy.deadlines import Deadlines, Reason
@@ -64,8 +64,7 @@ class ClientAnswer:
         return {"type": "http.response.start", "status": status, "headers": headers}
 
     async def _respond(self, status: int, upstream_headers: Headers, content: bytes) -> None:
-        await self.send(self._head(status, upstream_headers, len(content)))
-        await self.send({"type": "http.response.body", "body": content, "more_body": False})
+        await send_whole(self.send, self._head(status, upstream_headers, len(content)), content)
 
     async def _on_deadline(self, reason: Reason) -> None:
         """A deadline passed or the client left (the upstream response is closed already)."""

@@ -10,6 +10,7 @@ import pytest
 from server.gateway.observability.logs import (
     ACCESS_FIELDS,
     ACCESS_LOGGER,
+    OPTIONAL_FIELDS,
     _sole_json_handler,
     configure_logging,
     log_request,
@@ -39,6 +40,17 @@ def test_one_json_line_with_every_field(caplog):
     assert line["ttft_s"] == 0.042123
     assert line["trimmed_messages"] is None and line["error"] is None
     assert "\n" not in caplog.records[-1].getMessage()
+
+
+def test_a_tenants_fields_follow_the_fixed_ones_in_order_and_other_extras_are_still_checked(caplog):
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    log_request(request_id="r5", status=200, queued_s=0.12345678, tenant="planner", priority="interactive")
+    log_request(request_id="r6", status=200, tenant="planner", api_key="sk-secret", note="kept")
+    first, second = access_lines(caplog)
+    assert list(first) == [*ACCESS_FIELDS, *OPTIONAL_FIELDS]
+    assert first["tenant"] == "planner" and first["priority"] == "interactive" and first["queued_s"] == 0.123457
+    assert second["tenant"] == "planner" and second["note"] == "kept"
+    assert "sk-secret" not in json.dumps(second)
 
 
 def test_credentials_are_never_logged_and_content_only_when_passed(caplog):

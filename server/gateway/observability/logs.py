@@ -30,6 +30,9 @@ ACCESS_FIELDS = (
     "error",
     "routing",  # why the engine was chosen: policy, reason, matched blocks and scores per replica
 )
+# Written only when they apply (the gateway has tenants; the request passed the flow gate), after
+# ACCESS_FIELDS and in this order; never credentials, so they skip the check of other extras.
+OPTIONAL_FIELDS = ("tenant", "priority", "queued_s")
 # Never logged, whatever the caller passes (compared lower-case, `-` read as `_`).
 FORBIDDEN_FIELDS = frozenset(
     {
@@ -60,14 +63,22 @@ def access_record(fields: dict[str, Any]) -> dict[str, Any]:
     for key in ACCESS_FIELDS:
         value = get(key)
         record[key] = round(value, 6) if isinstance(value, float) else value  # _clean, inlined
-    if not fields.keys() <= _ACCESS_KEYS:
-        for key, value in fields.items():
-            if key not in record and key.lower().replace("-", "_") not in FORBIDDEN_FIELDS:
-                record[key] = _clean(value)
+    keys = fields.keys()
+    if keys <= _ACCESS_KEYS:
+        return record
+    if keys <= _KNOWN_KEYS:  # the gateway's own optional fields (a tenant's request): no other extras to check
+        for key in OPTIONAL_FIELDS:
+            if key in fields:
+                record[key] = _clean(fields[key])
+        return record
+    for key, value in fields.items():
+        if key not in record and key.lower().replace("-", "_") not in FORBIDDEN_FIELDS:
+            record[key] = _clean(value)
     return record
 
 
 _ACCESS_KEYS = frozenset(ACCESS_FIELDS)
+_KNOWN_KEYS = _ACCESS_KEYS | frozenset(OPTIONAL_FIELDS)
 
 
 class AccessLine:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -27,6 +27,8 @@ CLIENT_CLOSED = 499  # nginx's code for "the client closed the connection"; logs
 # engine (that is the engine's idle timeout, a 504-style error event in the stream).
 CLIENT_STALLED = "client_stalled"
 _NO_FIELDS: dict[str, Any] = {}
+Tokens = tuple[int | None, int | None, int]  # prompt, completion, cached prompt (RequestRecord.tokens)
+NO_TOKENS: Tokens = (None, None, 0)
 
 
 class RequestMetrics(Protocol):
@@ -65,6 +67,22 @@ class RequestRecord:
     tenant: str | None = None  # the caller's tenant (server.gateway.tenants), when the gateway has tenants
     priority: str | None = None  # its class at the flow gate (server.gateway.flow), when it passed one
     queued_s: float | None = None  # seconds it waited there
+    _tokens: tuple[Any, Tokens] | None = field(default=None, init=False, repr=False)  # see `tokens`
+
+    def tokens(self) -> Tokens:
+        """(prompt, completion, cached prompt) tokens of the engine's `usage` (None: not reported;
+        cached 0), read once however many books it goes into (metrics, quota, flow gate)."""
+        usage = self.usage
+        read = self._tokens
+        if read is not None and read[0] is usage:
+            return read[1]
+        if isinstance(usage, dict):
+            prompt, completion = token_counts(usage)
+            tokens: Tokens = (prompt, completion, cached_count(usage))
+        else:
+            tokens = NO_TOKENS
+        self._tokens = (usage, tokens)
+        return tokens
 
 
 def _token_count(value: object) -> int | None:
@@ -116,8 +134,7 @@ class RequestReporter:
 
     def finish(self, record: RequestRecord) -> None:
         duration = perf_counter() - record.arrived
-        usage = record.usage if isinstance(record.usage, dict) else {}
-        prompt_tokens, completion_tokens = token_counts(usage)
+        prompt_tokens, completion_tokens, cached_tokens = record.tokens()
         metrics = self.metrics
         model = record.model
         if model is None:  # refused before a served model was known: counted, under one label
@@ -137,7 +154,7 @@ class RequestReporter:
                     model,
                     record.status,
                     prompt_tokens or 0,
-                    cached_count(usage),
+                    cached_tokens,
                     completion_tokens or 0,
                 )
         if self.log_request is not None:

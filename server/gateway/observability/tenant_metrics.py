@@ -8,6 +8,8 @@ family of GatewayMetrics (the registry is None and the multiprocess files are th
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter
 
 
@@ -32,21 +34,26 @@ class TenantCounters:
         self.completion = Counter(
             "gateway_tenant_completion_tokens", "Completion tokens (engines' usage).", labels, registry=registry
         )
-        self._children: dict[tuple[str, str], tuple[Counter, Counter, Counter]] = {}
-        self._by_code: dict[tuple[str, str, int], Counter] = {}
+        # The children's values themselves (as GatewayMetrics does: `Counter.inc` adds two checks
+        # and a call a counter), looked up once per label set.
+        self._values: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
+        self._by_code: dict[tuple[str, str, int], Any] = {}
 
     def count(self, tenant: str, model: str, status: int, prompt: int, cached: int, completion: int) -> None:
-        children = self._children.get((tenant, model))
-        if children is None:
-            children = self._children[tenant, model] = (
-                self.prompt.labels(tenant, model),
-                self.cached.labels(tenant, model),
-                self.completion.labels(tenant, model),
+        values = self._values.get((tenant, model))
+        if values is None:
+            values = self._values[tenant, model] = (
+                self.prompt.labels(tenant, model)._value,
+                self.cached.labels(tenant, model)._value,
+                self.completion.labels(tenant, model)._value,
             )
         requests = self._by_code.get((tenant, model, status))
         if requests is None:
-            requests = self._by_code[tenant, model, status] = self.requests.labels(tenant, model, str(status))
-        requests.inc()
-        for counter, amount in zip(children, (prompt, cached, completion)):
-            if amount > 0:
-                counter.inc(amount)
+            requests = self._by_code[tenant, model, status] = self.requests.labels(tenant, model, str(status))._value
+        requests.inc(1)
+        if prompt > 0:  # (counters only go up: callers pass sane counts, 0 when the engine said nothing)
+            values[0].inc(prompt)
+        if cached > 0:
+            values[1].inc(cached)
+        if completion > 0:
+            values[2].inc(completion)

@@ -35,7 +35,6 @@ from server.gateway.observability.record import (
     CLIENT_CLOSED,
     RequestRecord,
     RequestReporter,
-    token_counts,
 )
 from server.gateway.proxy.proxy import Proxy
 from server.gateway.request.endpoints import Endpoint
@@ -45,7 +44,7 @@ from server.gateway.request.targets import resolve, served
 from server.gateway.tenants.directory import TenantDirectory, TenantRuntime, without_claims
 from server.gateway.tenants.errors import ModelNotAllowed
 from server.gateway.tenants.isolation import CacheSalts
-from server.gateway.tenants.quota import Ticket
+from server.gateway.tenants.quota import Ticket, reservation
 
 log = logging.getLogger("gateway")
 
@@ -163,9 +162,12 @@ class ProxiedEndpoints:
         answer gets its rate-limit headers, and the engine a body without the client's claims
         (and with the tenant's cache_salt, for an isolated tenant)."""
         json = request.endpoint.model_from == "json"  # an upload's bytes (audio) are no prompt estimate
-        ticket, headers = await tenant.enter(request.model, request.body, len(request.raw) if json else 0)
-        if headers:
-            request.response_headers.extend(headers)
+        quota = tenant.quota  # (its allow-list was checked before routing: `handle`)
+        ticket = None
+        if quota is not None:
+            ticket, headers = await quota.enter(reservation(request.body, len(request.raw) if json else 0))
+            if headers:
+                request.response_headers.extend(headers)
         if json:
             body = without_claims(request.body)
             if self.cache_salts is not None:
@@ -193,7 +195,7 @@ class ProxiedEndpoints:
 def _tokens_used(record: RequestRecord) -> int | None:
     """What a finished request cost its tenant's tokens quota: the engine's usage; 0 for a refusal
     the engine did no work for; None (the reservation stands) when nothing says (a client that left)."""
-    prompt, completion = token_counts(record.usage) if isinstance(record.usage, dict) else (None, None)
+    prompt, completion, _ = record.tokens()
     if prompt is not None or completion is not None:
         return (prompt or 0) + (completion or 0)
     if record.status >= 400 and record.status != CLIENT_CLOSED:

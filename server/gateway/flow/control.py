@@ -81,11 +81,12 @@ class ModelQueue:
     by_class: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))  # in flight per class
     queued: dict[str, dict[str, deque[Waiter]]] = field(default_factory=lambda: {c: {} for c in CLASSES})
     lengths: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))
+    waiting: int = 0  # every class's length together (what the path with room checks first)
     service_s: float = 1.0  # moving average of an admitted request's time at the engine (Retry-After)
 
     @property
     def total(self) -> int:
-        return sum(self.lengths.values())
+        return self.waiting
 
     def waiting_tenants(self) -> set[str]:
         return {tenant for tenants in self.queued.values() for tenant in tenants}
@@ -110,6 +111,7 @@ class FlowControl:
         self.wait_cap = wait_cap  # the first-byte deadline, which the wait counts toward (proxy.deadlines)
         self.clock = clock
         self._max_num_seqs = dict(max_num_seqs or {})
+        self._batch: dict[str, int] = {}  # model -> max_num_seqs(model), worked out once
         self.counters = VirtualCounters()
         self.prompt_costs = PromptCosts()
         self.tally = FlowTally()
@@ -118,7 +120,10 @@ class FlowControl:
 
     def max_num_seqs(self, model: str) -> int:
         """The engines' batch size for `model`: the settings', else its profile's, else vLLM's default."""
-        return self.settings.max_num_seqs or self._max_num_seqs.get(model) or 256
+        batch = self._batch.get(model)
+        if batch is None:
+            batch = self._batch[model] = self.settings.max_num_seqs or self._max_num_seqs.get(model) or 256
+        return batch
 
     def capacity(self, pool: ModelPool) -> int:
         return capacity(pool.engines, self.max_num_seqs(pool.name), self.settings.kv_usage_limit, self.workers)
@@ -138,11 +143,12 @@ class FlowControl:
         which the answer settles: a tenant whose requests went straight in while there was room
         has its counter show them at once, prompts included, so a tenant that starts waiting
         beside it is lifted to a counter that counts them."""
-        queue = self._queue(pool)
-        if queue.total or (self._room(queue, klass) <= 0 and pool.healthy_count):
+        queue = self.models.get(pool.name)
+        if queue is None or queue.pool is not pool:
+            queue = self._queue(pool)
+        if queue.waiting or (self._room(queue, klass) <= 0 and pool.healthy_count):
             return None
-        now = self.clock()
-        return self._admit(queue, tenant, klass, reserve + self.prompt_costs.expect(pool.name, tenant), now, now)
+        return self._admit(queue, tenant, klass, reserve + self.prompt_costs.expect(pool.name, tenant), 0.0)
 
     async def enter(self, pool: ModelPool, tenant: str, klass: Class, cost: float) -> Pass:
         """Wait until `pool`'s engines have room for this request (at once when they do); raises
@@ -150,12 +156,13 @@ class FlowControl:
         queue = self._queue(pool)
         now = self.clock()
         if not queue.total and (self._room(queue, klass) > 0 or not pool.healthy_count):
-            return self._admit(queue, tenant, klass, cost, now, now)  # room (or no engine: routing says 503)
+            return self._admit(queue, tenant, klass, cost, 0.0)  # room (or no engine: routing says 503)
         self._make_room(queue, tenant, klass)
         self.counters.lift(tenant, queue.waiting_tenants())
         waiter = Waiter(tenant, klass, cost, now, asyncio.get_running_loop().create_future())
         queue.queued[klass].setdefault(tenant, deque()).append(waiter)
         queue.lengths[klass] += 1
+        queue.waiting += 1
         self._dispatch(queue)
         if not waiter.future.done():
             self._arm_tick()
@@ -189,25 +196,32 @@ class FlowControl:
     def leave(self, held: Pass, usage: Mapping[str, Any] | None) -> None:
         """The admitted request is over: its tenant's counter is settled from the engine's usage
         (the reservation stands when there is none) and the next waiting request may go."""
+        if isinstance(usage, dict):
+            prompt, completion = token_counts(usage)
+            self.settle(held, prompt, completion, cached_count(usage))
+        else:
+            self.settle(held, None, None, 0)
+
+    def settle(self, held: Pass, prompt: int | None, completion: int | None, cached: int) -> None:
+        """`leave` with the usage's tokens already read (observability.record: RequestRecord.tokens)."""
         if held.left:
             return
         held.left = True
+        if prompt is not None or completion is not None:
+            uncached = prompt_charge(prompt or 0, cached)
+            if prompt is not None:
+                self.prompt_costs.settled(held.model, held.tenant, uncached)
+            actual = uncached + (completion or 0)
+            self.counters.charge(held.tenant, actual - held.charged)
+            self.tally.served(held.model, held.tenant, actual)
         queue = self.models.get(held.model)
-        if isinstance(usage, dict):
-            prompt, completion = token_counts(usage)
-            if prompt is not None or completion is not None:
-                uncached = prompt_charge(prompt or 0, cached_count(usage))
-                if prompt is not None:
-                    self.prompt_costs.settled(held.model, held.tenant, uncached)
-                actual = uncached + (completion or 0)
-                self.counters.charge(held.tenant, actual - held.charged)
-                self.tally.served(held.model, held.tenant, actual)
         if queue is None:
             return
         queue.inflight -= 1
         queue.by_class[held.klass] -= 1
         queue.service_s += 0.1 * ((self.clock() - held.admitted_at) - queue.service_s)
-        self._dispatch(queue)
+        if queue.waiting:
+            self._dispatch(queue)
 
     # -- the queue's side -------------------------------------------------------------------------
 
@@ -222,7 +236,7 @@ class FlowControl:
         schedules the highest first), so a higher class sent beside a full cache of a lower one
         takes its space instead of waiting at the gateway for a lower answer to end."""
         pool, limit, counted = queue.pool, self.settings.kv_usage_limit, queue.inflight
-        if pool.name in self.priority_models:
+        if self.priority_models and pool.name in self.priority_models:
             rank = RANK[klass]
             if any(n for k, n in queue.by_class.items() if RANK[k] > rank):
                 limit = math.inf  # a lower class in flight makes way
@@ -239,12 +253,13 @@ class FlowControl:
         share = self.settings.batch_headroom
         return min(math.ceil(share * cap), cap - 1) if share > 0 and cap > 1 else 0
 
-    def _admit(self, queue: ModelQueue, tenant: str, klass: Class, cost: float, arrived: float, now: float) -> Pass:
+    def _admit(self, queue: ModelQueue, tenant: str, klass: Class, cost: float, waited: float) -> Pass:
         queue.inflight += 1
         queue.by_class[klass] += 1
         self.counters.charge(tenant, cost)
-        self.tally.admitted(queue.pool.name, klass, tenant, now - arrived)
-        return Pass(queue.pool.name, tenant, klass, cost, now - arrived, now)
+        model = queue.pool.name
+        self.tally.admitted(model, klass, tenant, waited)
+        return Pass(model, tenant, klass, cost, waited, self.clock())
 
     def _pass_of(self, model: str, waiter: Waiter, arrived: float) -> Pass:
         now = self.clock()
@@ -285,6 +300,7 @@ class FlowControl:
         if not waiters:
             del queue.queued[waiter.klass][waiter.tenant]
         queue.lengths[waiter.klass] -= 1
+        queue.waiting -= 1
 
     def _make_room(self, queue: ModelQueue, tenant: str, klass: Class) -> None:
         """Refuse the newcomer when its class's queue is full; when every queue together is full,

@@ -17,7 +17,7 @@ from server.config import ServedModel
 from server.gateway.flow.classes import PRIORITY_HEADER, VLLM_PRIORITY, Class, request_class
 from server.gateway.flow.control import FlowControl, Pass
 from server.gateway.flow.metrics import FlowCollector
-from server.gateway.observability.record import RequestRecord, token_counts
+from server.gateway.observability.record import RequestRecord
 from server.gateway.replicas.cache import CHARS_PER_TOKEN, PromptView
 from server.gateway.replicas.pool import ModelPool
 from server.gateway.request.request import GatewayRequest
@@ -50,9 +50,12 @@ class FlowGate:
         None: it must wait (`wait`)."""
         tenant = record.tenant
         assert tenant is not None
-        klass = request_class(self.classes.get(tenant, "standard"), request.header(PRIORITY_HEADER))
+        klass = self.classes.get(tenant, "standard")
+        asked = request.header(PRIORITY_HEADER)
+        if asked is not None:
+            klass = request_class(klass, asked)
         record.priority = klass
-        if pool.name in self.priority_models and request.endpoint.name in PRIORITY_ENDPOINTS:
+        if self.priority_models and pool.name in self.priority_models and request.endpoint.name in PRIORITY_ENDPOINTS:
             request.replace_body({**request.body, "priority": VLLM_PRIORITY[klass]})
         # reserved until the answer settles: its output, and the tenant's recent prompt cost
         # (flow.control.pass_now); the body's size was tried as a prompt estimate and dropped
@@ -83,13 +86,11 @@ class FlowGate:
         return held, prompt
 
     def leave(self, held: Pass, record: RequestRecord) -> None:
-        usage = record.usage if isinstance(record.usage, dict) else None
-        if usage is not None and held.chars:
-            prompt, _ = token_counts(usage)
-            if prompt:
-                learned = self.chars_per_token.get(held.model, held.chars / prompt)
-                self.chars_per_token[held.model] = learned + 0.2 * (held.chars / prompt - learned)
-        self.control.leave(held, usage)
+        prompt, completion, cached = record.tokens()
+        if prompt and held.chars:
+            learned = self.chars_per_token.get(held.model, held.chars / prompt)
+            self.chars_per_token[held.model] = learned + 0.2 * (held.chars / prompt - learned)
+        self.control.settle(held, prompt, completion, cached)
 
     def _uncached_tokens(self, pool: ModelPool, prompt: PromptView | None) -> float:
         """The prompt's tokens no healthy replica holds, by the approximate prefix index."""

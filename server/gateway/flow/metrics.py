@@ -93,7 +93,7 @@ class FlowCollector(Collector):
         waits = HistogramMetricFamily(
             "gateway_flow_wait_seconds", "Time requests waited at the gate.", labels=["model", "class", "tenant"]
         )
-        for triple, histogram in tally.waits.items():
+        for triple, histogram in tally.wait_histograms().items():
             cumulative, buckets = 0, []
             for bound, count in zip((*WAIT_BUCKETS, float("inf")), histogram.counts, strict=True):
                 cumulative += count

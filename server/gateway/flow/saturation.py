@@ -30,7 +30,13 @@ def capacity(engines: Iterable[Engine], max_num_seqs: int, kv_usage_limit: float
     """Requests this process may have in flight on the model: its share of every healthy engine's
     batch that is not full (at least 1 per such engine, so each worker can use each engine)."""
     share = max(1, -(-max_num_seqs // max(1, workers)))
-    return sum(share for e in engines if e.healthy and not engine_full(e, kv_usage_limit))
+    room = 0
+    for engine in engines:  # (engine_full, inlined: this runs for every request at the gate)
+        if engine.healthy:
+            usage = engine.metrics.kv_usage
+            if usage is None or usage < kv_usage_limit:
+                room += share
+    return room
 
 
 def saturation(engine: Engine, max_num_seqs: int) -> float:

@@ -34,8 +34,23 @@ class FlowTally:
         self.served_tokens: dict[tuple[str, str], int] = defaultdict(int)  # (model, tenant) -> charged tokens
 
     def admitted(self, model: str, klass: str, tenant: str, waited: float) -> None:
-        self.admitted_total[model, klass, tenant, "true" if waited > 0 else "false"] += 1
-        self.waits[model, klass, tenant].observe(waited)
+        if waited > 0:
+            self.admitted_total[model, klass, tenant, "true"] += 1
+            self.waits[model, klass, tenant].observe(waited)
+        else:  # the path of every request while there is room: its wait of 0 is read from this count
+            self.admitted_total[model, klass, tenant, "false"] += 1
+
+    def wait_histograms(self) -> dict[tuple[str, str, str], WaitHistogram]:
+        """Every wait at the gate by (model, class, tenant): the observed ones, and the admissions
+        without a wait in the first bucket (counted only in `admitted_total`, on the request path)."""
+        out = {triple: WaitHistogram(list(h.counts), h.sum) for triple, h in self.waits.items()}
+        for (model, klass, tenant, queued), count in self.admitted_total.items():
+            if queued == "false":
+                histogram = out.get((model, klass, tenant))
+                if histogram is None:
+                    histogram = out[model, klass, tenant] = WaitHistogram()
+                histogram.counts[0] += count
+        return out
 
     def shed(self, model: str, klass: str, tenant: str, reason: str, waited: float) -> None:
         self.shed_total[model, klass, tenant, reason] += 1

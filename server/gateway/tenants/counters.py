@@ -124,25 +124,38 @@ def refill(state: State, limits: Limits, now: float) -> None:
 def decide(state: State, limits: Limits, reserve: int, in_flight: int, now: float) -> Outcome:
     """Refill the buckets to `now`, then admit (taking one request and `reserve` tokens) or refuse;
     `in_flight` is the tenant's requests in flight everywhere the store counts."""
-    refill(state, limits, now)
+    requests, tokens, window = limits.requests, limits.tokens, limits.window
+    # (refill and levels, inlined: this runs for every request of a tenant with limits)
+    if requests:
+        if state[1] < 0:
+            state[0], state[1] = float(requests), now
+        elif now > state[1]:
+            state[0] = min(float(requests), state[0] + (now - state[1]) * requests / window)
+            state[1] = now
+    if tokens:
+        if state[3] < 0:
+            state[2], state[3] = float(tokens), now
+        elif now > state[3]:
+            state[2] = min(float(tokens), state[2] + (now - state[3]) * tokens / window)
+            state[3] = now
     verdict, wait = OK, 0.0
     if limits.concurrent and in_flight >= limits.concurrent:
         verdict, wait = CONCURRENT, CONCURRENT_RETRY
-    elif limits.tokens and reserve > limits.tokens:
+    elif tokens and reserve > tokens:
         verdict = TOO_LARGE
     else:
-        if limits.requests and state[0] < 1:
-            verdict, wait = REQUESTS, (1 - state[0]) * limits.window / limits.requests
-        if limits.tokens and state[2] < reserve:
-            need = (reserve - state[2]) * limits.window / limits.tokens
+        if requests and state[0] < 1:
+            verdict, wait = REQUESTS, (1 - state[0]) * window / requests
+        if tokens and state[2] < reserve:
+            need = (reserve - state[2]) * window / tokens
             if need > wait:
                 verdict, wait = TOKENS, need
         if verdict == OK:
-            if limits.requests:
+            if requests:
                 state[0] -= 1
-            if limits.tokens:
+            if tokens:
                 state[2] -= reserve
-    return Outcome(verdict, wait, *levels(state, limits))
+    return Outcome(verdict, wait, state[0] if requests else math.nan, state[2] if tokens else math.nan)
 
 
 def settle(state: State, limits: Limits, delta: int | None, now: float) -> None:
@@ -171,9 +184,10 @@ class MemoryCounters:
         state = self.states.get(key)
         if state is None:
             state = self.states[key] = fresh_state()
-        outcome = decide(state, limits, reserve, self.in_flight.get(key, 0), self.clock())
+        in_flight = self.in_flight.get(key, 0)
+        outcome = decide(state, limits, reserve, in_flight, self.clock())
         if outcome.verdict == OK:
-            self.in_flight[key] = self.in_flight.get(key, 0) + 1
+            self.in_flight[key] = in_flight + 1
         return outcome
 
     async def take(self, key: str, limits: Limits, reserve: int) -> Outcome:
@@ -181,8 +195,11 @@ class MemoryCounters:
 
     def release(self, key: str, limits: Limits, slot: object, delta: int | None) -> None:
         self.in_flight[key] = max(0, self.in_flight.get(key, 0) - 1)
-        state = self.states.setdefault(key, fresh_state())
-        settle(state, limits, delta, self.clock())
+        if limits.tokens and delta is not None:
+            state = self.states.get(key)
+            if state is None:
+                state = self.states[key] = fresh_state()
+            settle(state, limits, delta, self.clock())
 
     def peek(self, key: str, limits: Limits) -> tuple[float, float]:
         """The buckets' levels as of now, changing nothing but the refill."""

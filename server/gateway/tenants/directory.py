@@ -62,7 +62,8 @@ class TenantRuntime:
         return self.quota.admit(reservation(body, raw_length))
 
     async def enter(self, model: str, body: dict[str, Any], raw_length: int) -> tuple[Ticket | None, Headers]:
-        """`admit` over any counter store (Redis included): the way in of the request path."""
+        """`admit` over any counter store (Redis included). (The request path checks the allow-list
+        before routing and asks `quota.enter` itself: app.proxied.)"""
         if not self.may_use(model):
             raise ModelNotAllowed(self.name, model)
         if self.quota is None:

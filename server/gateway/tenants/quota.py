@@ -75,26 +75,35 @@ def format_reset(seconds: float) -> str:
     return f"{int(minutes)}m{text}" if minutes else text
 
 
+def _reset_bytes(seconds: float) -> bytes:
+    """`format_reset` as the header's bytes; the common case (under a second) without a str."""
+    if 0 < seconds < 1:
+        return b"%dms" % max(1, math.ceil(seconds * 1000))
+    return format_reset(seconds).encode()
+
+
 class Budget:
     """One bucket's fixed side: `limit` units refilling at `limit / window` per second; its level
     lives in the counter store (tenants.counters) and may go negative (debt)."""
 
-    __slots__ = ("limit", "limit_text", "rate")
+    __slots__ = ("limit", "rate", "_limit_header", "_remaining", "_reset")
 
-    def __init__(self, limit: int, window: float) -> None:
+    def __init__(self, limit: int, window: float, kind: bytes = b"") -> None:
         self.limit = limit
-        self.limit_text = str(limit).encode()
         self.rate = limit / window
+        self._limit_header = (b"x-ratelimit-limit-" + kind, str(limit).encode())  # the same on every answer
+        self._remaining = b"x-ratelimit-remaining-" + kind
+        self._reset = b"x-ratelimit-reset-" + kind
 
     def reset(self, level: float) -> float:
         """Seconds until the bucket is full again (OpenAI's `reset`)."""
         return max(0.0, (self.limit - level) / self.rate)
 
-    def headers(self, kind: bytes, level: float) -> Headers:
+    def headers(self, level: float) -> Headers:
         return [
-            (b"x-ratelimit-limit-" + kind, self.limit_text),
-            (b"x-ratelimit-remaining-" + kind, str(max(0, math.floor(level))).encode()),
-            (b"x-ratelimit-reset-" + kind, format_reset(self.reset(level)).encode()),
+            self._limit_header,
+            (self._remaining, b"%d" % max(0, math.floor(level))),
+            (self._reset, _reset_bytes((self.limit - level) / self.rate)),
         ]
 
 
@@ -128,11 +137,21 @@ class Quota:
     ) -> None:
         self.limits = Limits.of(limits)
         window = limits.window_seconds
-        self.requests = Budget(limits.requests_per_minute, window) if limits.requests_per_minute else None
-        self.tokens = Budget(limits.tokens_per_minute, window) if limits.tokens_per_minute else None
+        self.requests = Budget(limits.requests_per_minute, window, b"requests") if limits.requests_per_minute else None
+        self.tokens = Budget(limits.tokens_per_minute, window, b"tokens") if limits.tokens_per_minute else None
         self.max_concurrent = limits.max_concurrent
-        self.store: CounterStore = store if store is not None else MemoryCounters(clock)
+        self.store = store if store is not None else MemoryCounters(clock)
         self.key = key  # the tenant's name: its counters in the store
+
+    @property
+    def store(self) -> CounterStore:
+        return self._store
+
+    @store.setter
+    def store(self, store: CounterStore) -> None:
+        self._store = store
+        # A local store answers at once: `enter` then asks it without awaiting (tenants.counters).
+        self._take_now = store.take_now if isinstance(store, HostLike) else None
 
     @property
     def limited(self) -> bool:
@@ -144,12 +163,12 @@ class Quota:
         now, from a local store)."""
         if requests is None or tokens is None:
             requests, tokens = self._local().peek(self.key, self.limits)
-        out: Headers = []
         if self.requests is not None:
-            out += self.requests.headers(b"requests", requests)
-        if self.tokens is not None:
-            out += self.tokens.headers(b"tokens", tokens)
-        return out
+            out = self.requests.headers(requests)
+            if self.tokens is not None:
+                out += self.tokens.headers(tokens)
+            return out
+        return self.tokens.headers(tokens) if self.tokens is not None else []
 
     def admit(self, reserve: int) -> tuple[Ticket, Headers]:
         """`enter` without an event loop, for a local store (tenants.counters)."""
@@ -159,7 +178,10 @@ class Quota:
         """Take one request and `reserve` tokens, or raise QuotaExceeded (with Retry-After when
         waiting helps); also the rate-limit headers of the answer, after this request (none when
         the store could not be asked: the request goes in unchecked)."""
-        return self._answer(await self.store.take(self.key, self.limits, reserve), reserve)
+        take_now = self._take_now
+        if take_now is not None:
+            return self._answer(take_now(self.key, self.limits, reserve), reserve)
+        return self._answer(await self._store.take(self.key, self.limits, reserve), reserve)
 
     def _answer(self, outcome: Outcome, reserve: int) -> tuple[Ticket, Headers]:
         verdict = outcome.verdict

@@ -399,3 +399,23 @@ async def test_a_waiter_cancelled_just_before_a_departure_is_skipped_not_admitte
     gate.leave(held, None)
     gate.leave(running[1], None)
     assert gate.models["m"].inflight == 0
+
+
+def test_waits_of_zero_are_counted_once_and_land_in_the_histograms_first_bucket() -> None:
+    from server.gateway.flow.tally import WAIT_BUCKETS, FlowTally
+
+    tally = FlowTally()
+    for _ in range(3):
+        tally.admitted("m", "batch", "t", 0.0)  # room: the path of most requests
+    tally.admitted("m", "batch", "t", 0.3)
+    tally.shed("m", "batch", "t", "queue_timeout", 2.0)
+    tally.admitted("m", "interactive", "u", 0.0)
+    assert tally.admitted_total["m", "batch", "t", "false"] == 3
+    assert tally.admitted_total["m", "batch", "t", "true"] == 1
+    histograms = tally.wait_histograms()
+    batch = histograms["m", "batch", "t"]
+    assert batch.counts[0] == 3
+    assert batch.counts[WAIT_BUCKETS.index(0.5)] == 1 and batch.counts[WAIT_BUCKETS.index(2.0)] == 1
+    assert sum(batch.counts) == 5 and batch.sum == 2.3
+    assert histograms["m", "interactive", "u"].counts[0] == 1 and histograms["m", "interactive", "u"].sum == 0.0
+    assert tally.waits["m", "batch", "t"].counts[0] == 0  # the tally itself is not changed by the scrape

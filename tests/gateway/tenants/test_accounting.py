@@ -49,3 +49,14 @@ def test_the_tenant_counters_count_by_tenant_model_and_code():
     assert value("gateway_tenant_prompt_tokens_total") == 50
     assert value("gateway_tenant_cached_prompt_tokens_total") == 32
     assert value("gateway_tenant_completion_tokens_total") == 6
+
+
+def test_a_records_tokens_are_read_once_and_again_when_its_usage_changes():
+    record = RequestRecord("r3", "chat", 0.0)
+    assert record.tokens() == (None, None, 0)
+    record.usage = {"prompt_tokens": 10, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 8}}
+    first = record.tokens()
+    assert first == (10, 3, 8)
+    assert record.tokens() is first  # the same reading
+    record.usage = {"input_tokens": 4, "output_tokens": -1}  # Responses' names; a count no engine would send
+    assert record.tokens() == (4, None, 0)

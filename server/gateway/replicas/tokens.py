@@ -13,9 +13,10 @@ is keyed from them without a round trip.
 
 That holds only for a chat template that renders the leading messages the same whether or not
 more follow (ChatML, Llama 3 and most do; a template that folds the system prompt into the first
-user turn, or drops earlier turns' reasoning, does not). So the leading tokens are kept only after
+user turn, or drops earlier turns' reasoning, does not). So a model's first openings are kept only after
 a request's own full tokenization began with them (both are asked for at once, when the leading
-part is new); a model whose template fails that once is never served from memory again.
+part is new; after CHECKS of them, the leading part alone); a model whose template fails that once
+is never served from memory again.
 
 State only; bounded: at most `entries` token lists, least recently used dropped first, each kept as
 a compact array.
@@ -31,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 ENTRIES = 1024  # leading-message token lists kept (about 6 MB at 1,500 tokens each)
+CHECKS = 8  # a model's first openings checked against their whole prompts; later ones are taken as they come
 
 
 def leading_request(request: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -56,6 +58,7 @@ class LeadingTokens:
         self.entries = entries
         self._tokens: OrderedDict[bytes, array[int]] = OrderedDict()
         self._unstable: set[str] = set()  # models whose template renders leading messages differently
+        self._checked: dict[str, int] = {}  # model -> openings that began their whole prompts
         self.served = 0  # requests keyed from memory (no round trip)
 
     def usable(self, model: str) -> bool:
@@ -72,13 +75,23 @@ class LeadingTokens:
         self.served += 1
         return tokens.tolist()
 
-    def learn(self, model: str, key: bytes, leading: Sequence[int], full: Sequence[int]) -> bool:
-        """One request's leading tokens and its full tokens, asked for together: kept when the full
-        ones begin with the leading ones; else the model is never served from memory again."""
+    def checked(self, model: str) -> bool:
+        """Whether the model's template has rendered CHECKS openings the same as the start of their
+        whole prompts: its later openings are kept without asking for the whole prompt too."""
+        return self._checked.get(model, 0) >= CHECKS
+
+    def learn(self, model: str, key: bytes, leading: Sequence[int], full: Sequence[int] | None = None) -> bool:
+        """One request's leading tokens, with its full tokens asked for together until the model is
+        `checked`: kept when the full ones begin with the leading ones; else the model is never served
+        from memory again."""
         if model in self._unstable:
             return False
-        if len(leading) > len(full) or list(full[: len(leading)]) != list(leading):
-            self._unstable.add(model)  # its entries are never read again; the LRU drops them
+        if full is not None:
+            if len(leading) > len(full) or list(full[: len(leading)]) != list(leading):
+                self._unstable.add(model)  # its entries are never read again; the LRU drops them
+                return False
+            self._checked[model] = self._checked.get(model, 0) + 1
+        elif not self.checked(model):
             return False
         self._tokens[key] = array("l", leading)
         self._tokens.move_to_end(key)

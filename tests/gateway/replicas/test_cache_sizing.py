@@ -57,3 +57,48 @@ def test_the_ratio_stays_between_one_and_four_and_a_restart_starts_counting_agai
     engine.record_scrape(EngineMetrics(kv_capacity_tokens=CAPACITY_TOKENS, prefix_queries_tokens=10.0), at=2.0)
     send(cache, engine, "w" * 50_000)
     assert cache.approximate.capacity(engine.id) == int(CAPACITY_TOKENS * 1.0 / cache.block_chars)
+
+
+class HalvingTokenizer:
+    """/tokenize stand-in: one token per two characters of the prompt; counts its calls."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: list[tuple[str, bool]] = []
+        self.fail = fail
+
+    async def __call__(self, model, engines, body, whole=False):  # type: ignore[no-untyped-def]
+        self.calls.append((engines[0].id, whole))
+        return None if self.fail else [0] * (len(body["prompt"]) // 2)
+
+
+async def test_the_first_prompt_sizes_the_record_before_the_counter_can():
+    """Issue 34's quiet runs: a phase ended before the engine's counter was read twice, so the
+    record held twice what the tiny model's cache did for the whole of it."""
+    tokenizer = HalvingTokenizer()
+    cache = CacheState(tokenize=tokenizer)
+    a, b = engine_with(None), Engine("m", "http://b")
+    b.record_scrape(EngineMetrics(kv_capacity_tokens=CAPACITY_TOKENS), at=0.0)
+    prompt = await cache.read("m", {"prompt": "y" * 1000}, [a, b], precise=False)
+    await asyncio.gather(*cache._measuring.values())
+    assert sorted(tokenizer.calls) == [("a", True), ("b", True)]  # each engine's own tokenizer, whole prompt
+    assert prompt is not None
+    cache.sent(a, prompt, now=0.0)
+    assert cache.approximate.capacity(a.id) == CAPACITY_TOKENS * 2 // cache.block_chars
+    await cache.read("m", {"prompt": "z" * 1000}, [a, b], precise=False)
+    assert len(tokenizer.calls) == 2  # once per engine
+    await cache.read("m", {"prompt": "z" * 1000}, [a, b], precise=True)
+    assert len(tokenizer.calls) == 2  # precise routing tokenizes its own way (no events here: nothing)
+
+
+async def test_a_failed_measurement_is_tried_again_and_the_guess_stays_meanwhile():
+    tokenizer = HalvingTokenizer(fail=True)
+    cache = CacheState(tokenize=tokenizer)
+    a = engine_with(None)
+    for _ in range(2):
+        prompt = await cache.read("m", {"prompt": "y" * 1000}, [a], precise=False)
+        await asyncio.gather(*cache._measuring.values())
+    assert len(tokenizer.calls) == 2
+    assert prompt is not None
+    cache.sent(a, prompt, now=0.0)
+    assert cache.approximate.capacity(a.id) == CAPACITY_TOKENS * CHARS_PER_TOKEN // cache.block_chars
+    await cache.aclose()

@@ -5,7 +5,7 @@ approximate index when an engine's endpoint is down. The real engine is in test_
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -202,7 +202,9 @@ class CountingTokenizer:
     def __init__(self) -> None:
         self.calls = 0
 
-    async def __call__(self, model: str, engine: Engine, body: Mapping[str, Any]) -> list[int] | None:
+    async def __call__(
+        self, model: str, engines: Sequence[Engine], body: Mapping[str, Any], whole: bool = False
+    ) -> list[int] | None:
         self.calls += 1
         return list(PROMPT)
 

@@ -224,7 +224,9 @@ class FixedTokenizer:
         self.tokens = list(tokens)
         self.bodies: list[Mapping[str, Any]] = []
 
-    async def __call__(self, model: str, engine: Engine, body: Mapping[str, Any]) -> list[int] | None:
+    async def __call__(
+        self, model: str, engines: Sequence[Engine], body: Mapping[str, Any], whole: bool = False
+    ) -> list[int] | None:
         self.bodies.append(body)
         return self.tokens
 

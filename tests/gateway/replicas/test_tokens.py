@@ -11,7 +11,7 @@ import httpx
 
 from server.gateway.replicas.cache import EngineTokenizer, tokenize_request
 from server.gateway.replicas.engine import Engine
-from server.gateway.replicas.tokens import LeadingTokens, leading_request, request_key
+from server.gateway.replicas.tokens import CHECKS, LeadingTokens, leading_request, request_key
 
 SYSTEM = {"role": "system", "content": "House rules. " * 20}
 
@@ -69,14 +69,14 @@ async def test_new_leading_messages_are_learned_in_the_background_and_then_need_
     async with httpx.AsyncClient(transport=httpx.MockTransport(fake)) as client:
         tokenizer = EngineTokenizer(client, 1.0)
         engine = Engine("m", "http://a:1")
-        assert await tokenizer(model="m", engine=engine, body=chat("First?")) is None  # new: route on at once
+        assert await tokenizer("m", [engine], chat("First?")) is None  # new: route on at once
         await asyncio.gather(*tokenizer._learning.values())
         assert len(fake.calls) == 2 and len(tokenizer.leading) == 1  # the whole prompt and its leading part
-        tokens = await tokenizer(model="m", engine=engine, body=chat("Second?"))
+        tokens = await tokenizer("m", [engine], chat("Second?"))
         assert len(fake.calls) == 2  # no round trip
         rendered = f"<system>{SYSTEM['content']}"
         assert tokens == [ord(c) for c in rendered]  # the leading messages' tokens, as the engine renders them
-        single = await tokenizer(model="m", engine=engine, body={"messages": [{"role": "user", "content": "Hi"}]})
+        single = await tokenizer("m", [engine], {"messages": [{"role": "user", "content": "Hi"}]})
         assert single == [ord(c) for c in "<user>Hi<assistant>"] and len(fake.calls) == 3  # nothing leads: whole
 
 
@@ -85,10 +85,10 @@ async def test_a_template_that_renders_leading_messages_differently_is_tokenized
     async with httpx.AsyncClient(transport=httpx.MockTransport(fake)) as client:
         tokenizer = EngineTokenizer(client, 1.0)
         engine = Engine("m", "http://a:1")
-        assert await tokenizer(model="m", engine=engine, body=chat("First?")) is None
+        assert await tokenizer("m", [engine], chat("First?")) is None
         await asyncio.gather(*tokenizer._learning.values())
         assert not tokenizer.leading.usable("m")
-        tokens = await tokenizer(model="m", engine=engine, body=chat("Second?"))
+        tokens = await tokenizer("m", [engine], chat("Second?"))
         assert tokens is not None and tokens[-len("<assistant>") :] == [ord(c) for c in "<assistant>"]
         assert len(fake.calls) == 3
 
@@ -96,10 +96,70 @@ async def test_a_template_that_renders_leading_messages_differently_is_tokenized
 async def test_a_failing_engine_leaves_nothing_learned_and_nothing_unread():
     async with httpx.AsyncClient(transport=httpx.MockTransport(lambda _: httpx.Response(500))) as client:
         tokenizer = EngineTokenizer(client, 1.0)
-        assert await tokenizer(model="m", engine=Engine("m", "http://a:1"), body=chat("First?")) is None
+        assert await tokenizer("m", [Engine("m", "http://a:1")], chat("First?")) is None
         await asyncio.gather(*tokenizer._learning.values())
         assert len(tokenizer.leading) == 0 and not tokenizer._learning
     closed = EngineTokenizer(client, 1.0)  # its client is closed: the background task swallows the error
-    assert await closed(model="m", engine=Engine("m", "http://a:1"), body=chat("Again?")) is None
+    assert await closed("m", [Engine("m", "http://a:1")], chat("Again?")) is None
     await asyncio.gather(*closed._learning.values())
     await closed.aclose()
+
+
+async def test_the_background_goes_to_the_busiest_replica_and_a_whole_prompt_to_the_least_loaded():
+    hosts: list[str] = []
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        hosts.append(request.url.host)
+        return FakeEngine()(request)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(engine)) as client:
+        tokenizer = EngineTokenizer(client, 1.0)
+        idle, busy = Engine("m", "http://idle:1"), Engine("m", "http://busy:1")
+        assert await tokenizer("m", [idle, busy], chat("First?")) is None
+        await asyncio.gather(*tokenizer._learning.values())
+        assert hosts == ["busy", "busy"]  # the idle one is where this request goes next
+        await tokenizer("m", [idle, busy], {"messages": [{"role": "user", "content": "Hi"}]})
+        assert hosts[-1] == "idle"  # answered before routing: the quickest
+        assert await tokenizer("m", [], chat("First?")) is None
+
+
+async def test_a_conversations_next_turn_is_keyed_from_its_system_prompt_without_a_round_trip():
+    fake = FakeEngine()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(fake)) as client:
+        tokenizer = EngineTokenizer(client, 1.0)
+        engine = Engine("m", "http://a:1")
+        assert await tokenizer("m", [engine], chat("First?")) is None
+        await asyncio.gather(*tokenizer._learning.values())
+        history = ({"role": "user", "content": "First?"}, {"role": "assistant", "content": "Noted."})
+        tokens = await tokenizer("m", [engine], chat("Second?", *history))
+        assert tokens == [ord(c) for c in f"<system>{SYSTEM['content']}"]  # the system prompt's, known
+        await asyncio.gather(*tokenizer._learning.values())
+        assert len(fake.calls) == 2 and len(tokenizer.leading) == 1  # no round trip, now or in the background
+        other = await tokenizer("m", [engine], {"messages": [{"role": "system", "content": "Other."}, *history]})
+        assert other is None and len(tokenizer._learning) == 1  # a new opening: learned
+        await asyncio.gather(*tokenizer._learning.values())
+
+
+def test_after_its_first_openings_check_out_a_model_is_learned_from_the_leading_part_alone():
+    memory = LeadingTokens()
+    assert not memory.learn("m", b"k0", [1, 2])  # unchecked: the whole prompt is needed
+    for n in range(CHECKS):
+        assert not memory.checked("m")
+        assert memory.learn("m", bytes([n]), [n, 1], [n, 1, 2])
+    assert memory.checked("m") and not memory.checked("other")
+    assert memory.learn("m", b"later", [9, 9]) and memory.get("m", b"later") == [9, 9]
+    assert not memory.learn("m", b"bad", [1], [2])  # a whole prompt given still checks
+    assert not memory.usable("m")
+
+
+async def test_a_checked_model_costs_one_round_trip_per_new_opening():
+    fake = FakeEngine()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(fake)) as client:
+        tokenizer = EngineTokenizer(client, 1.0)
+        engine = Engine("m", "http://a:1")
+        for n in range(CHECKS + 2):
+            opening = {"role": "system", "content": f"Desk {n}."}
+            assert await tokenizer("m", [engine], {"messages": [opening, {"role": "user", "content": "Hi?"}]}) is None
+            await asyncio.gather(*tokenizer._learning.values())
+        assert len(fake.calls) == 2 * CHECKS + 2 and len(tokenizer.leading) == CHECKS + 2
+        assert all(call["add_generation_prompt"] is False for call in fake.calls[-2:])  # the leading parts alone

@@ -212,3 +212,15 @@ def test_the_bytes_the_seam_refuses_in_a_head_are_the_ones_uvicorns_checks_refus
         byte = bytes([code])
         assert (byte in writers.BAD_NAME_BYTES) == bool(HEADER_RE.search(byte)), code
         assert (byte in writers.BAD_VALUE_BYTES) == bool(HEADER_VALUE_RE.search(byte)), code
+
+
+def test_without_uvicorns_default_headers_a_head_without_headers_is_still_uvicorns():
+    app = Heads()
+    protocol = ConnectionLimits(header_timeout=30, body_timeout=30, max_connections=100).protocol()
+    with serve_in_thread(app, http=protocol, access_log=False, server_header=False, date_header=False) as url:
+        port = int(url.rsplit(":", 1)[1])
+        for shape in ("stream", "whole"):
+            for name in ("none", "tenant"):
+                ours = exchange(port, f"/seam/{shape}/{name}")
+                assert ours == exchange(port, f"/uvicorn/{shape}/{name}"), (shape, name)
+                assert ours.startswith(b"HTTP/1.1 200 OK\r\n") and b"\r\n\r\n\r\n" not in ours

@@ -25,13 +25,14 @@ import json
 import os
 import signal
 import socket
-import statistics
 import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
+from bench import paired
+from bench.paired import Client
 from bench.procs import PYTHON, Processes, commit_of, free_port, gateway_code
 from bench.proxy_bench import report_header, write_report
 from bench.workers_bench import TENANT_KEY, TENANTS_CONFIG
@@ -61,50 +62,7 @@ if os.environ.get("REQUEST_WORK_OUT"):
 
 
 def request_bytes(stream: bool, key: str | None = None) -> bytes:
-    body = json.dumps(
-        {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "stream": stream, "max_tokens": 8}
-    ).encode()
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
-    if key is not None:  # sent to both gateways alike (one without tenants ignores it)
-        head += b"authorization: Bearer %s\r\n" % key.encode()
-    return head + b"content-length: %d\r\n\r\n" % len(body) + body
-
-
-class Client:
-    """One keep-alive connection, raw bytes: the client's own work is the same for every gateway."""
-
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def ask(self, request: bytes, stream: bool) -> float:
-        """Send one request, read its whole answer; the seconds to its first body byte (stream: the
-        first `data:` event)."""
-        started = time.perf_counter()
-        self.sock.sendall(request)
-        buf, first = b"", None
-        while True:
-            data = self.sock.recv(65536)
-            if not data:
-                raise SystemExit(f"the gateway closed the connection after {buf[:300]!r}")
-            buf += data
-            if first is None and ((b"data: {" in buf) if stream else (b"\r\n\r\n" in buf)):
-                first = time.perf_counter() - started
-            if stream and buf.endswith(b"0\r\n\r\n"):
-                break
-            if not stream and b"\r\n\r\n" in buf:
-                head, _, body = buf.partition(b"\r\n\r\n")
-                fields = (line.partition(b":") for line in head.split(b"\r\n"))
-                length = next(int(v) for k, _, v in fields if k.lower() == b"content-length")
-                if len(body) >= length:
-                    break
-        if not buf.startswith(b"HTTP/1.1 200"):
-            raise SystemExit(f"the gateway answered {buf[:200]!r}")
-        assert first is not None
-        return first
-
-    def close(self) -> None:
-        self.sock.close()
+    return paired.request_bytes(MODEL, stream, key)
 
 
 def counted(path: Path, roots: list[str]) -> Counter[tuple[str, str]]:
@@ -287,33 +245,9 @@ def wait_for_file(path: Path, timeout: float = 60.0) -> None:
 
 
 def paired_ttft(gateways: dict, request: bytes, stream: bool, n: int, warmup: int) -> dict:
-    """Both gateways in turn, one request each, order swapped every pair: the median of the paired
-    differences (after - before), with each side's median and quartiles, microseconds."""
-    clients = {side: Client(port) for side, (_, port, _, _) in gateways.items()}
-    try:
-        for _ in range(warmup):
-            for client in clients.values():
-                client.ask(request, stream)
-        times: dict[str, list[float]] = {side: [] for side in clients}
-        for i in range(n):
-            order = ("before", "after") if i % 2 == 0 else ("after", "before")
-            for side in order:
-                times[side].append(clients[side].ask(request, stream) * 1e6)
-    finally:
-        for client in clients.values():
-            client.close()
-    diffs = sorted(a - b for a, b in zip(times["after"], times["before"]))
-
-    def quartiles(values: list[float]) -> list[float]:
-        return [round(q, 1) for q in statistics.quantiles(values, n=4)]
-
-    return {
-        "pairs": n,
-        "median_diff_us": statistics.median(diffs),
-        "diff_quartiles_us": quartiles(diffs),
-        "before_us": quartiles(times["before"]),
-        "after_us": quartiles(times["after"]),
-    }
+    """bench.paired's, between the two gateways of this bench."""
+    ports = {side: port for side, (_, port, _, _) in gateways.items()}
+    return paired.paired_ttft(ports, dict.fromkeys(ports, request), stream, n, warmup)
 
 
 def render(report: dict) -> str:

@@ -48,7 +48,11 @@ gave 0.98-1.02x round by round where its interleaved windows in the same run gav
 own load generator, in the same seconds (as many windows as `--side-rounds`, each `--low-duration` / 2 long; the samples
 pooled), so that the machine's drift between windows does not enter the difference of two p50s
 a few tenths of a millisecond apart. At 4 streams each proxy is busy a few percent of the time:
-the two on core 1 seldom wait for each other, and if they do, alike.
+the two on core 1 seldom wait for each other, and if they do, alike. Pooled over ~400 samples a
+path, that p50 still moves by a tenth of a millisecond from run to run; the paired TTFT
+(`--paired`, bench.paired) settles to a few microseconds: this process, on core 0, sends one
+streamed request of one token to each of the two side-by-side paths in turn, the order swapped
+every pair, and reports the median of the paired differences.
 
 Usage: python -m bench.workers_bench --output docs/bench [--duration 8] [--paths ...] [--before REV] [--cap 0.2]
        [--side-rounds 6] [--side-by-side vllm-router,gateway x1]
@@ -66,6 +70,7 @@ from pathlib import Path
 from statistics import median
 
 from bench.loadgen import summarize
+from bench.paired import paired_ttft, request_bytes
 from bench.procs import (
     PYTHON,
     ROOT,
@@ -331,6 +336,23 @@ def side_by_side_rounds(
     return windows
 
 
+def paired_between(started: dict[str, dict], side: list[str], pairs: int) -> dict:
+    """bench.paired's TTFT between the two side-by-side paths (the first is `before`): both on
+    core 1, this process as the client on core 0 with the engine; streamed answers of one token
+    (the stand-in's 20 ms to it), each path's own key if it has one."""
+    ports = {name: int(started[path]["url"].rsplit(":", 1)[1]) for name, path in zip(("before", "after"), side)}
+    requests = {
+        name: request_bytes(MODEL, True, TENANT_KEY if "loadgen_env" in started[path] else None, max_tokens=1)
+        for name, path in zip(("before", "after"), side)
+    }
+    affinity = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {0})
+    try:
+        return {"paths": side, **paired_ttft(ports, requests, True, pairs, warmup=100)}
+    finally:
+        os.sched_setaffinity(0, affinity)
+
+
 def side_by_side_figures(windows: list[dict[str, dict]], paths: list[str]) -> dict:
     """CPU per chunk of each path in each side-by-side window, and the second path's over the first's
     round by round (paired in time) with their median."""
@@ -506,6 +528,19 @@ def _side_ttft_lines(side: dict | None) -> list[str]:
     ]
 
 
+def _paired_lines(paired: dict | None) -> list[str]:
+    if not paired:
+        return []
+    first, second = paired["paths"]
+    low, _, high = paired["diff_quartiles_us"]
+    goal = "+50 us" if TENANTS in paired["paths"] or any("@" in p for p in paired["paths"]) else None  # issues 31, 29
+    return [
+        f"- paired TTFT (bench.paired: one client on core 0, {first} and {second} in turn, one streamed request "
+        f"at a time, {paired['pairs']} pairs): {second} minus {first} {paired['median_diff_us']:+.1f} us "
+        f"(quartiles of the differences {low:+.1f} .. {high:+.1f} us)" + (f" (goal <= {goal})" if goal else "")
+    ]
+
+
 def _errors(results: dict[str, dict[int, dict]]) -> str:
     found = []
     for path, phases in results.items():
@@ -552,6 +587,7 @@ def render_markdown(report: dict) -> str:
         "",
         *_side_by_side_lines(report.get("side_by_side")),
         *_side_ttft_lines(report.get("side_by_side_ttft")),
+        *_paired_lines(report.get("paired_ttft")),
         f"- CPU per chunk, gateway (1 worker) / vllm-router, in interleaved windows: "
         f"{_fmt(r['cpu_per_chunk_x1_vs_router'], 2, 'x')} "
         "(goal <= 1.25x)" + _by_round(r.get("cpu_per_chunk_x1_vs_router_rounds")),
@@ -607,6 +643,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved windows at 4 streams")
     parser.add_argument("--cpu-rounds", type=int, default=4, help="interleaved windows at 64 streams (CPU per chunk)")
     parser.add_argument("--side-rounds", type=int, default=6, help="side-by-side windows at 64 streams (0: none)")
+    parser.add_argument(
+        "--paired",
+        type=int,
+        default=1000,
+        help="pairs of the paired TTFT between the two side-by-side paths (bench.paired; 0: none)",
+    )
     parser.add_argument(
         "--side-by-side",
         default="vllm-router,gateway x1",
@@ -697,6 +739,9 @@ def main(argv: list[str] | None = None) -> int:
                     samples=True, show=lambda w: f"TTFT {_fmt(w['ttft_ms']['p50'], 2)} ms",
                 )  # fmt: skip
                 report["side_by_side_ttft"] = side_by_side_ttft(ttft_windows, compared)
+            if args.paired:
+                report["paired_ttft"] = paired_between(started, side, args.paired)
+                print(f"paired TTFT, {side[1]} minus {side[0]}: {report['paired_ttft']['median_diff_us']:+.1f} us")
     report["loadavg_after"] = loadavg()
     report["results"] = results
     return _write(report, args.output)

@@ -34,6 +34,8 @@ HEADERS = {
     "tenant": [(b"content-type", b"application/json"), *RATE_LIMITS, (b"x-request-id", b"r2")],
     "connection": [(b"content-type", b"text/plain"), (b"connection", b"close")],  # uvicorn's send writes it
     "bad-value": [(b"x-bad", b"a\x01b")],  # uvicorn's send refuses it: the app fails, the connection closes
+    "bad-name": [(b"x bad", b"v")],
+    "newline-name": [(b"x-a\nx-b", b"v")],
 }
 BODY = b'{"ok": true}'
 
@@ -160,14 +162,15 @@ def test_heads_the_seam_leaves_to_uvicorn_come_out_as_uvicorn_writes_them(served
 
 
 @pytest.mark.parametrize("shape", ["stream", "whole"])
-def test_a_value_uvicorn_refuses_is_refused_the_same_way(served, shape):
+@pytest.mark.parametrize("name", ["bad-value", "bad-name", "newline-name"])
+def test_a_header_uvicorn_refuses_is_refused_the_same_way(served, shape, name):
     port, app = served
-    ours = exchange(port, f"/seam/{shape}/bad-value")
-    theirs = exchange(port, f"/uvicorn/{shape}/bad-value")
+    ours = exchange(port, f"/seam/{shape}/{name}")
+    theirs = exchange(port, f"/uvicorn/{shape}/{name}")
     # uvicorn's send marks the response started before it checks the headers, so its answer to the
     # app's error is to close the connection: nothing of the head is written, by either
     assert ours == theirs == b""
-    assert app.written_here[f"/seam/{shape}/bad-value"] is False
+    assert app.written_here[f"/seam/{shape}/{name}"] is False
 
 
 class Lines(logging.Handler):

@@ -61,9 +61,9 @@ class PromptCosts:
         return known if known is not None else self.models.get(model, 0.0)
 
     def settled(self, model: str, tenant: str, tokens: int) -> None:
-        """An answer's prompt cost `tokens` (prompt_charge)."""
-        self.tenants[model, tenant] = self._moved(self.tenants.get((model, tenant)), tokens)
-        self.models[model] = self._moved(self.models.get(model), tokens)
-
-    def _moved(self, average: float | None, tokens: int) -> float:
-        return tokens if average is None else average + self.WEIGHT * (tokens - average)
+        """An answer's prompt cost `tokens` (prompt_charge): each average moves by WEIGHT toward it."""
+        weight = self.WEIGHT
+        average = self.tenants.get((model, tenant))
+        self.tenants[model, tenant] = tokens if average is None else average + weight * (tokens - average)
+        average = self.models.get(model)
+        self.models[model] = tokens if average is None else average + weight * (tokens - average)

@@ -75,13 +75,6 @@ def format_reset(seconds: float) -> str:
     return f"{int(minutes)}m{text}" if minutes else text
 
 
-def _reset_bytes(seconds: float) -> bytes:
-    """`format_reset` as the header's bytes; the common case (under a second) without a str."""
-    if 0 < seconds < 1:
-        return b"%dms" % max(1, math.ceil(seconds * 1000))
-    return format_reset(seconds).encode()
-
-
 class Budget:
     """One bucket's fixed side: `limit` units refilling at `limit / window` per second; its level
     lives in the counter store (tenants.counters) and may go negative (debt)."""
@@ -100,10 +93,11 @@ class Budget:
         return max(0.0, (self.limit - level) / self.rate)
 
     def headers(self, level: float) -> Headers:
+        wait = (self.limit - level) / self.rate
         return [
             self._limit_header,
-            (self._remaining, b"%d" % max(0, math.floor(level))),
-            (self._reset, _reset_bytes((self.limit - level) / self.rate)),
+            (self._remaining, b"%d" % level if level > 0 else b"0"),  # (%d of a float: its floor, for level > 0)
+            (self._reset, b"%dms" % math.ceil(wait * 1000) if 0 < wait < 1 else format_reset(wait).encode()),
         ]
 
 

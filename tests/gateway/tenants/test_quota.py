@@ -148,3 +148,26 @@ def test_reservation_is_the_prompt_estimate_plus_the_completion_cap():
     assert reservation({"max_output_tokens": 9}, 0) == 10  # Responses
     assert reservation({"max_tokens": "50"}, 0) == 1  # not a number: nothing reserved (the engine refuses it)
     assert reservation({"max_tokens": True}, 0) == 1
+
+
+def test_the_rate_limit_headers_of_an_answer_as_openai_writes_them():
+    clock = Clock()
+    q = quota(clock, requests_per_minute=600, tokens_per_minute=6000)
+    _, out = q.admit(300)  # one request (0.1 s of refill) and 300 tokens (3 s of refill) taken
+    assert headers(out) == {
+        "x-ratelimit-limit-requests": "600",
+        "x-ratelimit-remaining-requests": "599",
+        "x-ratelimit-reset-requests": "100ms",
+        "x-ratelimit-limit-tokens": "6000",
+        "x-ratelimit-remaining-tokens": "5700",
+        "x-ratelimit-reset-tokens": "3s",
+    }
+    clock.now += 0.0504  # refilled: 599.504 requests (a floor of 599; 49.6 ms to full)
+    assert headers(q.headers())["x-ratelimit-remaining-requests"] == "599"
+    assert headers(q.headers())["x-ratelimit-reset-requests"] == "50ms"
+    clock.now += 10
+    assert headers(q.headers())["x-ratelimit-reset-tokens"] == "0s"  # full again
+    big, _ = q.admit(6000)
+    big.settle(9000)  # a debt: the level below 0 shows as 0 remaining
+    assert headers(q.headers())["x-ratelimit-remaining-tokens"] == "0"
+    assert headers(q.headers())["x-ratelimit-reset-tokens"] == "1m30s"

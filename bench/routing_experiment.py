@@ -388,6 +388,7 @@ class PhaseResult:
     reasons: dict[str, int] = field(default_factory=dict)  # the gateway's routing reasons
     sources: dict[str, int] = field(default_factory=dict)  # precise / approximate / none
     seconds: float = 0.0
+    gateway_cpu_s: float = float("nan")  # CPU seconds the gateway (or vllm-router) process used sending the workload
     rows: list[dict[str, Any]] = field(default_factory=list, repr=False)  # per request: requests.jsonl
 
     @property
@@ -410,6 +411,17 @@ class PhaseResult:
         data = {k: v for k, v in self.__dict__.items() if k != "rows"}
         data.update(cached_share=self.cached_share, engine_share=self.engine_share, imbalance=self.imbalance)
         return data
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of process `pid` and its waited-for children (/proc; NaN elsewhere):
+    the gateway shares the cores with the pinned engines, so what it spends, they lose."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return float("nan")
+    ticks = sum(int(v) for v in fields[11:15])  # utime, stime, cutime, cstime
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def routing_decisions(log: Path) -> dict[str, dict[str, Any]]:
@@ -519,11 +531,14 @@ async def run_phase(
                 await wait_gateway(gateway, url, engines, events=events, timeout=120)
                 route = dict.fromkeys(tenants, url)
             say(f"{label}: sending {sum(len(s.turns) for s in conversations)} requests")
+            cpu_before = process_cpu_seconds(gateway.pid) if gateway is not None else 0.0
             started = time.perf_counter()
             records = await send_workload(
                 conversations, route, model=model, concurrency=concurrency, timeout=args.timeout, label=label
             )
             result.seconds = time.perf_counter() - started
+            if gateway is not None:
+                result.gateway_cpu_s = process_cpu_seconds(gateway.pid) - cpu_before
         finally:
             if gateway is not None:
                 await stop_gateway(processes, gateway)
@@ -548,7 +563,8 @@ async def run_phase(
     say(
         f"{label}: cached share {result.cached_share:.3f} (engines {result.engine_share:.3f}), "
         f"TTFT p50 {result.ttft_p50_s * 1000:.0f} ms p90 {result.ttft_p90_s * 1000:.0f} ms, "
-        f"split {list(result.split.values())}, failed {result.failed}, {result.seconds:.0f} s"
+        f"split {list(result.split.values())}, failed {result.failed}, {result.seconds:.0f} s, "
+        f"gateway CPU {result.gateway_cpu_s:.2f} s"
     )
     return result
 

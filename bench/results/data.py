@@ -19,7 +19,8 @@ TRIMMING = ROOT / "loadtest" / "results" / "watermark-trimming" / "itinerary"
 
 # The runs each headline counts, and why the others are left out.
 SIDE_BY_SIDE_RUNS = ("17", "18", "19")  # the gateway code of 23edca3 (no server/ change up to 56c0ff0)
-WAIT_RULE_RUNS = ("l", "m", "n")  # issue 34's wait rule (426dae3), three runs on a quiet machine, `--before 988b4f5`
+WAIT_RULE_RUNS = ("l", "m", "n")  # issue 34's wait rule, first version (426dae3), `--before 988b4f5`
+FINAL_RUNS = ("o", "p", "q")  # issue 34's final code (a5a236a), three runs, `--before 988b4f5`
 ROUTING_RUNS = ("d", "e", "f")  # the routing code after the approximate index learned characters per token
 # Committed with the results (the runs did not record the code they ran; later runs do: meta.gateway_code).
 ROUTING_COMMITS = {"a": "d0e5f46", "b": "d0e5f46", "c": "2420e90", "d": "9da2e35", "e": "99ba8d2", "f": "65e0f56"}

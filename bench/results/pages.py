@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bench.results.data import (
     CAPPED_015,
+    FINAL_RUNS,
     LOADS,
     OVERHEAD_COMMITS,
     RESULTS,
@@ -324,21 +326,23 @@ def _median_range(values: list[float]) -> str:
     return f"{median:.2f} ({ordered[0]:.2f}-{ordered[-1]:.2f})"
 
 
-def wait_rule_runs(runs: dict[str, dict[str, Any]]) -> list[str]:
-    """Issue 34's goals over every round of the wait rule's runs (WAIT_RULE_RUNS): per workload and
-    index, the median and range of each ratio over the rounds, and in how many rounds each goal held;
-    the code before (`--before`) beside it, run for run."""
-    chosen = [runs[letter] for letter in WAIT_RULE_RUNS if letter in runs]
-    if not chosen:
-        return []
-    commits = sorted({run["meta"].get("gateway_code", "?") for run in chosen})
+def _goals_by_index(chosen: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """(workload, index label) -> the per-round verdicts of every run in `chosen`."""
     by: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for run in chosen:
         for key, goal in run["goals"].items():
             workload, _, rest = key.partition(": ")
             by.setdefault((workload, rest.rsplit(" (round", 1)[0]), []).append(goal)
+    return by
+
+
+def goal_rounds(runs: dict[str, dict[str, Any]], letters: tuple[str, ...]) -> tuple[str, str, int, list[str]]:
+    """Issue 34's goals over every round of the runs `letters`: per workload and index, the median and
+    range of each ratio over the rounds and in how many rounds each goal held (the code before,
+    `--before`, beside it). Returns (commits, loads, rounds, the table's lines)."""
+    chosen = [runs[letter] for letter in letters if letter in runs]
     rows = []
-    for (workload, label), goals in sorted(by.items()):
+    for (workload, label), goals in sorted(_goals_by_index(chosen).items()):
         n = len(goals)
 
         def held(name: str, goals: list[dict[str, Any]] = goals) -> int:
@@ -356,27 +360,82 @@ def wait_rule_runs(runs: dict[str, dict[str, Any]]) -> list[str]:
                 f"{held('ttft_p90_no_worse_than_round_robin')}/{n}",
             ]
         )
+    commits = ", ".join(sorted({run["meta"].get("gateway_code", "?") for run in chosen}))
     loads = ", ".join(
         f"{letter} {runs[letter]['meta']['load_before'].split()[0]} / {runs[letter]['meta']['load_after'].split()[0]}"
-        for letter in WAIT_RULE_RUNS
+        for letter in letters
         if letter in runs
     )
-    out = [
-        "",
-        "## The wait rule: three runs (issue 34)",
-        "",
-        f"Runs {', '.join(WAIT_RULE_RUNS)}: the gateway at {', '.join(commits)} (the wait rule, speculative entries",
-        "that end with the engine's events, leading messages' tokens remembered), each cache-aware phase",
-        "followed by the same phase with the code before (`@988b4f5`, `--before`), three rounds each,",
-        "replicas pinned, the gateways scraping /metrics every 0.5 s. A test suite ran beside all three",
-        f"(load average before / after: {loads}), so their TTFT figures move by tens of percent",
-        "from round to round; run k measured the code before alone, on a machine closer to quiet. Per",
-        f"workload and index, over the {len(chosen) * 3} rounds: median (range) of each ratio, then the",
-        "rounds in which issue 34's goal held (hit share >= 0.9x the oracle's and >= the better",
-        "vllm-router policy's, split within 1.5x, TTFT p90 no worse than round robin's).",
-        "",
-    ]
-    out += table(["workload", "index", "hit share / oracle", "/ best router", "split", "TTFT p90 / round robin"], rows)
+    lines = table(["workload", "index", "hit share / oracle", "/ best router", "split", "TTFT p90 / round robin"], rows)
+    return commits, loads, len(chosen) * 3, lines
+
+
+def run_medians(runs: dict[str, dict[str, Any]], letters: tuple[str, ...]) -> list[str]:
+    """Per run, workload and index: the median of its rounds' hit share over the oracle's and TTFT
+    p90 over round robin's, and the median and range of those run medians."""
+    cells: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for letter in letters:
+        if letter not in runs:
+            continue
+        for key, goals in _goals_by_index([runs[letter]]).items():
+            oracle = statistics.median(g["share_vs_oracle"] for g in goals)
+            p90 = statistics.median(g["ttft_p90_vs_round_robin"] for g in goals)
+            cells.setdefault(key, []).append((oracle, p90))
+    rows = []
+    for (workload, label), values in sorted(cells.items()):
+        rows.append(
+            [workload, label]
+            + [" / ".join(f"{v:.2f}" for v in pair) for pair in values]
+            + [_median_range([v[0] for v in values]), _median_range([v[1] for v in values])]
+        )
+    header = ["workload", "index"]
+    header += [f"run {letter}: / oracle, p90 / round robin" for letter in letters if letter in runs]
+    return table([*header, "/ oracle, median of runs", "p90 / round robin, median of runs"], rows)
+
+
+def wait_rule_runs(runs: dict[str, dict[str, Any]]) -> list[str]:
+    """Issue 34's wait rule: the final code's three runs (FINAL_RUNS), then its first version's
+    (WAIT_RULE_RUNS), each with the code before beside it."""
+    out: list[str] = []
+    if any(letter in runs for letter in FINAL_RUNS):
+        commits, loads, rounds, lines = goal_rounds(runs, FINAL_RUNS)
+        out += [
+            "",
+            "## The wait rule, final: three runs (issue 34)",
+            "",
+            f"Runs {', '.join(FINAL_RUNS)}: the gateway at {commits} (the wait rule, speculative entries that end",
+            "with the engine's events, leading messages' tokens remembered and learned on the busiest",
+            "replica, the approximate record sized from one tokenized prompt), each cache-aware phase",
+            "followed by the same phase with the code before (`@988b4f5`, `--before`), three rounds each,",
+            f"replicas pinned, the gateway's own 5 s scrape (load average before / after: {loads}).",
+            "Per run, the median of its three rounds; then the median and range of the run medians:",
+            "",
+        ]
+        out += run_medians(runs, FINAL_RUNS)
+        out += [
+            "",
+            f"Over the {rounds} rounds: median (range) of each ratio, then the rounds in which issue 34's goal",
+            "held (hit share >= 0.9x the oracle's and >= the better vllm-router policy's, split within 1.5x,",
+            "TTFT p90 no worse than round robin's):",
+            "",
+        ]
+        out += lines
+    if any(letter in runs for letter in WAIT_RULE_RUNS):
+        commits, loads, rounds, lines = goal_rounds(runs, WAIT_RULE_RUNS)
+        out += [
+            "",
+            "## The wait rule's first version: three runs",
+            "",
+            f"Runs {', '.join(WAIT_RULE_RUNS)}: the gateway at {commits} (the wait rule, speculative entries",
+            "that end with the engine's events, leading messages' tokens remembered), each cache-aware phase",
+            "followed by the same phase with the code before (`@988b4f5`, `--before`), three rounds each,",
+            "replicas pinned, the gateways scraping /metrics every 0.5 s. A test suite ran beside all three",
+            f"(load average before / after: {loads}), so their TTFT figures move by tens of percent",
+            "from round to round; run k measured the code before alone, on a machine closer to quiet. Over",
+            f"the {rounds} rounds, as above:",
+            "",
+        ]
+        out += lines
     return out
 
 
@@ -414,7 +473,7 @@ def workload_runs(runs: dict[str, dict[str, Any]]) -> list[str]:
                     f"{meta['load_before'].split()[0]} / {meta['load_after'].split()[0]}",
                     workload,
                     rest,
-                    f"{goal['share_vs_oracle']:.2f}",
+                    f"{goal['share_vs_oracle']:.2f}" if "share_vs_oracle" in goal else "n/a (no oracle)",
                     f"{goal['share_vs_best_router']:.2f}" if goal.get("share_vs_best_router") else "n/a",
                     f"{goal['imbalance']:.2f}",
                     f"{goal['ttft_p90_vs_round_robin']:.2f}",

@@ -32,7 +32,7 @@ from starlette.routing import Route
 
 from server.gateway.app import ops
 from server.gateway.app.auth import check_api_key
-from server.gateway.app.openapi import proxied_paths
+from server.gateway.app.openapi import proxied_paths, stored_response_paths
 from server.gateway.app.proxied import ProxiedEndpoints
 from server.gateway.app.responses import ResponsesApi
 from server.gateway.app.state import GatewayState
@@ -141,7 +141,11 @@ class GatewayApp(FastAPI):
         """FastAPI's description of its own routes, with the proxied endpoints added (app.openapi)."""
         if self.openapi_schema is None:
             schema: dict[str, Any] = super().openapi()
-            schema.setdefault("paths", {}).update(proxied_paths(ENDPOINTS, schema.setdefault("components", {})))
+            paths, components = schema.setdefault("paths", {}), schema.setdefault("components", {})
+            paths.update(proxied_paths(ENDPOINTS, components))
+            if self.responses is not None:  # (merged: retrieve's GET is the endpoint table's)
+                for path, item in stored_response_paths(components).items():
+                    paths.setdefault(path, {}).update(item)
             self.openapi_schema = schema
         return schema if (schema := self.openapi_schema) is not None else {}
 

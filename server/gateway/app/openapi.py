@@ -156,6 +156,55 @@ def _operation(endpoint: Endpoint, components: dict[str, Any]) -> dict[str, Any]
     return operation
 
 
+def stored_response_paths(components: dict[str, Any]) -> dict[str, Any]:
+    """The Responses API's endpoints that only the gateway's response store answers (app.responses),
+    beside those of the endpoint table (create, retrieve, cancel)."""
+    error = {"content": {"application/json": {"schema": _ref(ErrorEnvelope, components)}}}
+    parameter = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    refusals = {
+        "401": {"description": "Missing or wrong API key", **error},
+        "404": {"description": "No stored response of the caller's with this id", **error},
+        "503": {"description": "The response store is unavailable", **error},
+    }
+    return {
+        "/v1/responses/{response_id}": {
+            "delete": {
+                "summary": "DELETE /v1/responses/{response_id} (the gateway's response store)",
+                "operationId": "delete_v1_responses_response_id",
+                "tags": ["responses"],
+                "parameters": [parameter],
+                "responses": {
+                    "200": {"description": '{"id", "object": "response.deleted", "deleted": true}'},
+                    **refusals,
+                },
+            }
+        },
+        "/v1/responses/{response_id}/input_items": {
+            "get": {
+                "summary": "GET /v1/responses/{response_id}/input_items (the gateway's response store)",
+                "operationId": "get_v1_responses_response_id_input_items",
+                "tags": ["responses"],
+                "parameters": [
+                    parameter,
+                    *(
+                        {"name": name, "in": "query", "required": False, "schema": schema}
+                        for name, schema in (
+                            ("limit", {"type": "integer", "minimum": 1, "maximum": 100}),
+                            ("order", {"type": "string", "enum": ["asc", "desc"]}),
+                            ("after", {"type": "string"}),
+                        )
+                    ),
+                ],
+                "responses": {
+                    "200": {"description": "The request's input items (OpenAI's list shape)"},
+                    "400": {"description": "A bad `limit` or `order`", **error},
+                    **refusals,
+                },
+            }
+        },
+    }
+
+
 def proxied_paths(endpoints: Iterable[Endpoint], components: dict[str, Any]) -> dict[str, Any]:
     """OpenAPI path items for `endpoints`; the schemas they name are added to `components`."""
     paths: dict[str, Any] = {}

@@ -137,3 +137,24 @@ def test_the_gateways_own_routes_answer_head_without_a_body(engines, gateway, pa
     response = httpx.head(f"{gw.url}{path}", timeout=30)
     assert response.status_code == 200 and response.content == b""
     assert "x-request-id" in response.headers
+
+
+def test_openapi_lists_what_only_the_response_store_and_the_admin_api_answer():
+    app = _app(tenants=[{"name": "planner", "api_keys": ["sk-planner-0123456789abcdef"]}])
+    paths = app.openapi()["paths"]
+    for method, path in (
+        ("delete", "/v1/responses/{response_id}"),
+        ("get", "/v1/responses/{response_id}/input_items"),
+        ("get", "/v1/responses/{response_id}"),  # the endpoint table's, kept beside DELETE
+        ("get", "/admin/usage"),
+    ):
+        assert method in paths[path], (method, path)
+    # every method and path the response store answers is described (app.responses' own table)
+    assert app.responses is not None
+    for path, item in paths.items():
+        for method in item:
+            if path.startswith("/v1/responses/{response_id}"):
+                concrete = path.replace("{response_id}", "resp_x")
+                assert app.responses.route(concrete, method.upper()) is not None, (method, path)
+    for concrete, method in (("/v1/responses/resp_x", "DELETE"), ("/v1/responses/resp_x/input_items", "GET")):
+        assert app.responses.route(concrete, method) is not None

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,8 +44,9 @@ class ModelPool:
     _turn: int = field(default=0, init=False, repr=False)
     # The engine ids of the last cache_aware decisions, for the split guard (Routing.share_window).
     _recent: deque[str] = field(default_factory=deque, init=False, repr=False)
-    # Each replica's requests in flight, by engine id (service.py).
+    # Each replica's requests in flight, by engine id (service.py), timed by `clock` (seconds).
     _inflight: dict[str, InFlight] = field(default_factory=dict, init=False, repr=False)
+    clock: Callable[[], float] = field(default=time.perf_counter, repr=False, compare=False)
 
     @property
     def max_model_len(self) -> int | None:
@@ -102,7 +103,7 @@ class ModelPool:
             if chosen is None:
                 return None
             chosen[0].outstanding += 1
-            self._inflight_of(chosen[0]).sent(time.perf_counter(), 0)
+            self._inflight_of(chosen[0]).sent(self.clock(), 0)
             return Decision(chosen[0], chosen[1], policy.policy)
         live = [e for e in self.engines if e.healthy and e not in exclude]
         if not live:
@@ -111,7 +112,7 @@ class ModelPool:
         if len(live) == 1:  # nothing to choose: no prefix matching, no scores (the log says `only_choice`)
             engine = live[0]
             engine.outstanding += 1
-            self._inflight_of(engine).sent(time.perf_counter(), 0)
+            self._inflight_of(engine).sent(self.clock(), 0)
             self.cache.sent(engine, prompt, now, configured_block_size=self.configured_block_size)
             self._remember(engine, policy.share_window)
             return Decision(engine, "only_choice", "cache_aware")
@@ -121,7 +122,7 @@ class ModelPool:
         )
         hot = self.cache.hot_blocks(live, prompt, source, configured_block_size=self.configured_block_size)
         recent = Counter(self._recent)
-        clock = time.perf_counter()
+        clock = self.clock()
         per_block = {
             e.id: self.cache.tokens_per_block(e, source, configured_block_size=self.configured_block_size) for e in live
         }

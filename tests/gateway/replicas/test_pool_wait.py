@@ -22,8 +22,19 @@ KNOWN = EngineMetrics(
 )
 
 
+class Clock:
+    """The pool's clock, moved by hand: no test here reads the machine's."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def two_replicas(metrics: EngineMetrics = KNOWN) -> ModelPool:
     pool = EnginePool.from_models([ServedModel("m", ["http://a:1", "http://b:1"])]).get("m")
+    pool.clock = Clock()
     for engine in pool.engines:
         engine.metrics = metrics
         pool.cache.precise.set_live(engine.id, True)
@@ -43,11 +54,24 @@ def test_a_request_in_flight_is_work_the_next_one_would_wait_behind():
     # The same prompt again at once: its 10 blocks are held (speculatively) where the first went,
     # but that replica is still prefilling them; the other is idle and the saving (10 blocks, 32 ms)
     # outweighs what is left of the first request's work (about 17.5 ms + 32 ms, less a moment).
+    assert isinstance(pool.clock, Clock)
+    pool.clock.now += 0.005  # 5 ms later
     second = pool.route(routing, prompt=prompt())
     assert second is not None
-    waits = second.explain()["wait_ms"]
-    assert waits[first.engine.id] > 40 and waits[[e for e in pool.engines if e is not first.engine][0].id] == 0
-    assert second.engine is not first.engine and second.reason == "wait"
+    other = next(e for e in pool.engines if e is not first.engine)
+    assert second.explain()["wait_ms"] == {first.engine.id: 44.5, other.id: 0.0}  # 17.5 + 32 ms, less 5
+    assert second.engine is other and second.reason == "wait"
+
+
+def test_once_the_request_in_flight_is_past_its_first_token_its_blocks_win():
+    pool = two_replicas()
+    routing = Routing(prefix_index="precise")
+    first = pool.route(routing, prompt=prompt())
+    assert first is not None and isinstance(pool.clock, Clock)
+    pool.clock.now += 0.060  # past its expected first token (49.5 ms): decoding, which a newcomer runs beside
+    second = pool.route(routing, prompt=prompt())
+    assert second is not None and second.engine is first.engine and second.reason == "prefix"
+    assert "wait_ms" not in second.explain()  # no work left before a first token anywhere
 
 
 def test_release_gives_the_work_back_and_an_idle_pool_waits_for_nothing():

@@ -314,7 +314,8 @@ def routing_page() -> str:
         "",
         "The cached share from `usage.prompt_tokens_details.cached_tokens` and from the engines'",
         "`vllm:prefix_cache_hits_total / queries_total` agree to three decimals in every phase of every run.",
-        "`make routing-experiment` runs run f's configuration (`--rounds 2 --pin-engines`) into a new folder.",
+        "`make routing-experiment` (`--rounds 3 --pin-engines`, both workloads, as run k) runs",
+        "into a new folder.",
     ]
     return "\n".join(out).rstrip() + "\n"
 

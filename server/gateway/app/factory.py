@@ -113,10 +113,11 @@ def create_app(
     else:
         client, upstream = http_client, ClientUpstream(http_client)
     routing = settings.routing
+    tokenizer = EngineTokenizer(client, routing.tokenize_timeout)
     cache = CacheState(
         approximate=ApproximateIndex(ttl=routing.approximate_ttl),
         precise=PreciseIndex(speculative_ttl=routing.speculative_ttl),
-        tokenize=EngineTokenizer(client, routing.tokenize_timeout),
+        tokenize=tokenizer,
         block_chars=routing.block_chars,
     )
     upstreams = EnginePool.from_models(models, cache=cache)
@@ -175,6 +176,8 @@ def create_app(
             await kv_events.aclose()
             await scraper.aclose()
             await health.aclose()
+            await cache.aclose()  # routing's background tokenizations (replicas.cache), before the client goes
+            await tokenizer.aclose()
         finally:
             if tenants is not None:
                 await tenants.aclose()

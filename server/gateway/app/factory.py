@@ -37,7 +37,7 @@ from server.gateway.proxy.proxy import Proxy
 from server.gateway.proxy.transport import UpstreamTransport
 from server.gateway.proxy.upstream import ClientUpstream, Upstream
 from server.gateway.replicas.approximate import ApproximateIndex
-from server.gateway.replicas.cache import CacheState, EngineTokenizer
+from server.gateway.replicas.cache import CacheState
 from server.gateway.replicas.collector import EngineCollector
 from server.gateway.replicas.discovery import DnsLookup, EngineDiscovery
 from server.gateway.replicas.engine import Engine
@@ -46,6 +46,7 @@ from server.gateway.replicas.kv_events import KvEventsCollector, KvEventSubscrib
 from server.gateway.replicas.pool import EnginePool
 from server.gateway.replicas.precise import PreciseIndex
 from server.gateway.replicas.scraper import EngineMetricsScraper
+from server.gateway.replicas.tokenizer import EngineTokenizer
 from server.gateway.settings import GatewaySettings
 from server.gateway.tenants.directory import TenantDirectory
 from server.gateway.tenants.isolation import load_cache_salts

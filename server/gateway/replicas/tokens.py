@@ -1,7 +1,7 @@
 """The token ids of a chat prompt's leading messages, remembered, so the precise index need not ask
 an engine's /tokenize for every request.
 
-Precise routing keys a prompt by the engine's own token ids (cache.py, `EngineTokenizer`): one
+Precise routing keys a prompt by the engine's own token ids (tokenizer.py, `EngineTokenizer`): one
 /tokenize round trip per routed request, before the request itself. On the tiny model on one CPU
 core that round trip took 4.5 ms of a 25 ms time to first token (more while the engine is busy),
 on every request. Yet what decides where a chat request goes is its leading messages (a tenant's

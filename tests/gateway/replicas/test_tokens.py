@@ -9,8 +9,8 @@ import json
 
 import httpx
 
-from server.gateway.replicas.cache import EngineTokenizer, tokenize_request
 from server.gateway.replicas.engine import Engine
+from server.gateway.replicas.tokenizer import EngineTokenizer, tokenize_request
 from server.gateway.replicas.tokens import CHECKS, LeadingTokens, leading_request, request_key
 
 SYSTEM = {"role": "system", "content": "House rules. " * 20}

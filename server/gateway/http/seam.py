@@ -1,7 +1,8 @@
 """The one module that reaches below ASGI into uvicorn: the gateway's HTTP/1.1 connection.
 
 Everything the gateway relies on beyond the ASGI spec is here (its writing half in http.writers,
-imported through this module), and nowhere else: uvicorn's
+its check of the installed uvicorn in http.compat, both imported through this module), and
+nowhere else: uvicorn's
 httptools protocol class (subclassed), its per-request cycle (`send.__self__`: `transport`,
 `flow`, `disconnected`, `response_started`, `response_complete`, `chunked_encoding`) and its flow
 control (`write_paused`, `drain`, `resume_reading`). uvicorn is pinned to the releases tested
@@ -53,9 +54,11 @@ from server.gateway.http.admission import (
     TooManyConnections,
     raw_error_response,
 )
+from server.gateway.http.compat import uvicorn_problems
 from server.gateway.http.writers import ChunkedWriter, SendWriter, body_writer, send_whole, start_body
 
-__all__ = ["ChunkedWriter", "SendWriter", "body_writer", "send_whole", "start_body"]  # http.writers', re-exported
+# http.writers' and http.compat's, re-exported
+__all__ = ["ChunkedWriter", "SendWriter", "body_writer", "send_whole", "start_body", "uvicorn_problems"]
 
 
 class ConnectionLimits:
@@ -347,42 +350,6 @@ def watch_disconnect(send: Any, callback: Callable[[], None]) -> Callable[[], No
 
 def _keep_watching_nothing() -> None:
     pass
-
-
-# What the seam calls or overrides on uvicorn's classes; instance attributes are checked by the tests.
-PROTOCOL_METHODS = (
-    "connection_made",
-    "data_received",
-    "connection_lost",
-    "send_400_response",
-    "on_message_begin",
-    "on_header",
-    "on_headers_complete",
-    "on_message_complete",
-    "on_response_complete",
-)
-CYCLE_METHODS = ("send", "receive")
-FLOW_METHODS = ("drain", "resume_reading", "pause_reading")
-UTILS_NAMES = ("get_client_addr", "get_path_with_query_string")  # uvicorn's access line, where it is on
-# What http.writers writes answer heads with, as uvicorn's `send` does (module-level names).
-HEAD_NAMES = ("STATUS_LINE", "RequestResponseCycle")  # and utils' two below
-
-
-def uvicorn_problems() -> list[str]:
-    """What differs in the installed uvicorn from what the seam relies on ([] when nothing does)."""
-    from uvicorn.protocols import utils
-    from uvicorn.protocols.http import flow_control, httptools_impl
-
-    problems = [
-        f"HttpToolsProtocol.{name}" for name in PROTOCOL_METHODS if not callable(getattr(HttpToolsProtocol, name, None))
-    ]
-    cycle = getattr(httptools_impl, "RequestResponseCycle", None)
-    problems += [f"RequestResponseCycle.{name}" for name in CYCLE_METHODS if not callable(getattr(cycle, name, None))]
-    flow = getattr(flow_control, "FlowControl", None)
-    problems += [f"FlowControl.{name}" for name in FLOW_METHODS if not callable(getattr(flow, name, None))]
-    problems += [f"httptools_impl.{name}" for name in HEAD_NAMES if not hasattr(httptools_impl, name)]
-    problems += [f"utils.{name}" for name in UTILS_NAMES if not callable(getattr(utils, name, None))]
-    return problems
 
 
 def protocol_for(settings: Any) -> type[HttpToolsProtocol] | str:

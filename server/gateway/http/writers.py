@@ -5,7 +5,7 @@ Like the rest of the seam it reads uvicorn's per-request cycle (`transport`, `fl
 `disconnected`, `response_started`, `response_complete`, `chunked_encoding`; for the heads below
 also `scope`, `default_headers`, `keep_alive`, `access_log`, `access_logger`,
 `waiting_for_100_continue`, `expected_content_length`, and the module's `STATUS_LINE`); the
-internals are checked at start by `seam.uvicorn_problems()` and tested in
+internals are checked at start by `compat.uvicorn_problems()` and tested in
 tests/gateway/http/test_uvicorn_internals.py and test_head_writer.py. Imported through http.seam.
 
 The gateway's answer heads (`start_body`, `send_whole`) are written here too, as uvicorn's `send`
@@ -28,7 +28,7 @@ try:
     from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
     _CYCLE = RequestResponseCycle
-except ImportError:  # another uvicorn: every head goes through its `send` (seam.uvicorn_problems names what lacks)
+except ImportError:  # another uvicorn: every head goes through its `send` (compat.uvicorn_problems names what lacks)
     _CYCLE = None
 
 

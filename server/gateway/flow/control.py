@@ -207,14 +207,15 @@ class FlowControl:
         if held.left:
             return
         held.left = True
+        model = held.model
         if prompt is not None or completion is not None:
             uncached = prompt_charge(prompt or 0, cached)
             if prompt is not None:
-                self.prompt_costs.settled(held.model, held.tenant, uncached)
+                self.prompt_costs.settled(model, held.tenant, uncached)
             actual = uncached + (completion or 0)
             self.counters.charge(held.tenant, actual - held.charged)
-            self.tally.served(held.model, held.tenant, actual)
-        queue = self.models.get(held.model)
+            self.tally.served(model, held.tenant, actual)
+        queue = self.models.get(model)
         if queue is None:
             return
         queue.inflight -= 1

@@ -20,19 +20,13 @@ from collections.abc import Iterable
 from server.gateway.replicas.engine import Engine
 
 
-def engine_full(engine: Engine, kv_usage_limit: float) -> bool:
-    """The engine's own figures say it takes no more work (its KV cache is at the limit)."""
-    usage = engine.metrics.kv_usage
-    return usage is not None and usage >= kv_usage_limit
-
-
 def capacity(engines: Iterable[Engine], max_num_seqs: int, kv_usage_limit: float, workers: int = 1) -> int:
     """Requests this process may have in flight on the model: its share of every healthy engine's
     batch that is not full (at least 1 per such engine, so each worker can use each engine)."""
     share = max(1, -(-max_num_seqs // max(1, workers)))
     room = 0
-    for engine in engines:  # (engine_full, inlined: this runs for every request at the gate)
-        if engine.healthy:
+    for engine in engines:  # (a loop, not a generator: this runs for every request at the gate)
+        if engine.healthy:  # and its KV cache, by its last scrape, below the limit
             usage = engine.metrics.kv_usage
             if usage is None or usage < kv_usage_limit:
                 room += share

@@ -68,8 +68,9 @@ def access_record(fields: dict[str, Any]) -> dict[str, Any]:
         return record
     if keys <= _KNOWN_KEYS:  # the gateway's own optional fields (a tenant's request): no other extras to check
         for key in OPTIONAL_FIELDS:
-            if key in fields:
-                record[key] = _clean(fields[key])
+            value = get(key, record)  # (`record`: a default no caller can pass)
+            if value is not record:
+                record[key] = round(value, 6) if isinstance(value, float) else value  # _clean, inlined
         return record
     for key, value in fields.items():
         if key not in record and key.lower().replace("-", "_") not in FORBIDDEN_FIELDS:

@@ -126,43 +126,54 @@ def decide(state: State, limits: Limits, reserve: int, in_flight: int, now: floa
     `in_flight` is the tenant's requests in flight everywhere the store counts."""
     requests, tokens, window = limits.requests, limits.tokens, limits.window
     # (refill and levels, inlined: this runs for every request of a tenant with limits)
+    asked = level = math.nan  # the buckets' levels (NaN: no such bucket)
     if requests:
-        if state[1] < 0:
-            state[0], state[1] = float(requests), now
-        elif now > state[1]:
-            state[0] = min(float(requests), state[0] + (now - state[1]) * requests / window)
-            state[1] = now
+        asked, last = state[0], state[1]
+        if last < 0:
+            asked = float(requests)
+        elif now > last:
+            asked = min(float(requests), asked + (now - last) * requests / window)
+        state[1] = now if now > last else last
     if tokens:
-        if state[3] < 0:
-            state[2], state[3] = float(tokens), now
-        elif now > state[3]:
-            state[2] = min(float(tokens), state[2] + (now - state[3]) * tokens / window)
-            state[3] = now
+        level, last = state[2], state[3]
+        if last < 0:
+            level = float(tokens)
+        elif now > last:
+            level = min(float(tokens), level + (now - last) * tokens / window)
+        state[3] = now if now > last else last
     verdict, wait = OK, 0.0
     if limits.concurrent and in_flight >= limits.concurrent:
         verdict, wait = CONCURRENT, CONCURRENT_RETRY
     elif tokens and reserve > tokens:
         verdict = TOO_LARGE
     else:
-        if requests and state[0] < 1:
-            verdict, wait = REQUESTS, (1 - state[0]) * window / requests
-        if tokens and state[2] < reserve:
-            need = (reserve - state[2]) * window / tokens
+        if requests and asked < 1:
+            verdict, wait = REQUESTS, (1 - asked) * window / requests
+        if tokens and level < reserve:
+            need = (reserve - level) * window / tokens
             if need > wait:
                 verdict, wait = TOKENS, need
         if verdict == OK:
-            if requests:
-                state[0] -= 1
-            if tokens:
-                state[2] -= reserve
-    return Outcome(verdict, wait, state[0] if requests else math.nan, state[2] if tokens else math.nan)
+            asked -= 1  # (NaN stays NaN)
+            level -= reserve
+    if requests:
+        state[0] = asked
+    if tokens:
+        state[2] = level
+    return Outcome(verdict, wait, asked, level)
 
 
 def settle(state: State, limits: Limits, delta: int | None, now: float) -> None:
     """Charge `delta` more tokens (negative: give some back), never above the bucket's limit."""
-    if limits.tokens and delta is not None:
-        _refill(state, 2, limits.tokens, limits.window, now)
-        state[2] = min(float(limits.tokens), state[2] - delta)
+    tokens = limits.tokens
+    if tokens and delta is not None:
+        level, last = state[2], state[3]
+        if last < 0:  # (the refill, inlined)
+            level, state[3] = float(tokens), now
+        elif now > last:
+            level = min(float(tokens), level + (now - last) * tokens / limits.window)
+            state[3] = now
+        state[2] = min(float(tokens), level - delta)
 
 
 def levels(state: State, limits: Limits) -> tuple[float, float]:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from server.engine.amx import with_amx_permission
 from server.engine.hostcheck import check_profile, refuse_message
 from server.engine.profiles import Profile, load_profile, resolve_profile_path
 from server.engine.render import engine_argv, render_shell
@@ -79,7 +80,7 @@ class EngineSupervisor:
         self.ready_timeout = ready_timeout
         self.health_interval = health_interval
         self.argv = argv or with_drain(engine_argv(profile, host=host, port=port), profile)
-        self.env = {**os.environ, **profile.env, "PYTHONUNBUFFERED": "1"}
+        self.env = with_amx_permission({**os.environ, **profile.env, "PYTHONUNBUFFERED": "1"}, profile)
         self.url = f"http://{host}:{port}"
         self.restarts = 0
         self.last_lines: deque[str] = deque(maxlen=40)
@@ -98,6 +99,11 @@ class EngineSupervisor:
     async def start(self) -> None:
         """Launch the engine and watch it in the background; returns at once."""
         self._stopping = False
+        if self.env.get("SERVER_REQUEST_AMX") == "1":
+            log.info(
+                "[engine %s] this CPU has AMX: each engine process asks Linux for it first (server/engine/amx.py)",
+                self.name,
+            )
         await self._spawn()
         self._monitor = asyncio.create_task(self._watch(), name=f"supervise {self.name}")
 

@@ -69,6 +69,25 @@ def test_a_process_started_with_the_hook_holds_the_amx_permission_and_one_withou
     assert run_python(PRINT_PERMISSION, {**env, "SERVER_REQUEST_AMX": "0"}) == "False"
 
 
+def test_the_images_auto_mode_asks_without_a_word_where_there_is_no_amx():
+    """docker/Dockerfile.vllm-cpu sets SERVER_REQUEST_AMX=auto: it cannot know its host's CPU."""
+    base = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = {**base, "PYTHONPATH": str(STARTUP_DIR), "SERVER_REQUEST_AMX": "auto"}
+    done = subprocess.run(
+        [sys.executable, "-c", PRINT_PERMISSION], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stderr == ""
+    assert done.stdout.strip() == str(host_has_amx())
+
+
+def test_the_cpu_engine_image_puts_the_hook_on_its_pythonpath():
+    root = Path(__file__).resolve().parents[2]
+    dockerfile = (root / "docker" / "Dockerfile.vllm-cpu").read_text()
+    assert "COPY server ./server" in dockerfile and "WORKDIR /app" in dockerfile
+    assert f"PYTHONPATH=/app/{STARTUP_DIR.relative_to(root).as_posix()}" in dockerfile
+    assert "SERVER_REQUEST_AMX=auto" in dockerfile
+
+
 def test_a_sitecustomize_the_hook_shadows_still_runs(tmp_path: Path):
     theirs = tmp_path / "site"
     theirs.mkdir()

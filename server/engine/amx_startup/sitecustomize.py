@@ -15,11 +15,12 @@ import os
 import sys
 
 
-def _request_amx_permission() -> None:
+def _request_amx_permission(quiet: bool) -> None:
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(158, 0x1023, 18) != 0:  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    refused = libc.syscall(158, 0x1023, 18) != 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    if refused and not quiet:
         sys.stderr.write(f"[amx] pid {os.getpid()}: the kernel refused AMX (errno {ctypes.get_errno()})\n")
 
 
@@ -36,6 +37,8 @@ def _run_shadowed_sitecustomize() -> None:
     spec.loader.exec_module(module)
 
 
-if os.environ.get("SERVER_REQUEST_AMX") == "1":
-    _request_amx_permission()
+# "1": the supervisor saw AMX in the CPU's flags; "auto" (the CPU engine image, which cannot know
+# the host it will run on): ask anyway, and say nothing where there is no AMX to give.
+if os.environ.get("SERVER_REQUEST_AMX") in ("1", "auto"):
+    _request_amx_permission(quiet=os.environ["SERVER_REQUEST_AMX"] == "auto")
 _run_shadowed_sitecustomize()

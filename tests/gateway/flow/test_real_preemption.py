@@ -21,8 +21,9 @@ waits behind them.
 What this shows: vLLM's `priority` comes from the tenant's class through the gate, the engine
 preempted (its `vllm:request_num_preemptions` histogram), and the interactive answer came while
 every batch stream was still writing. Nothing is timed: each step waits for what the streams
-report, bounded by a generous deadline. (The gate's own rule for a full cache, counting only
-the lowest class in flight, is a unit test: the cache is full here for tens of steps only.)
+report or the engine's queue shows (a batch request waiting: preempted), bounded by a generous
+deadline. (The gate's own rule for a full cache, counting only the lowest class in flight, is a
+unit test: the cache is full here for tens of steps only.)
 """
 
 from __future__ import annotations
@@ -66,6 +67,21 @@ def small_cache_engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 def settings(url: str) -> GatewaySettings:
     return two_tenants(url, timeouts={"first_byte": DEADLINE, "idle": DEADLINE, "total": DEADLINE})
+
+
+async def engine_queues(client: httpx.AsyncClient, engine_url: str) -> None:
+    """Returns once the engine has a request waiting: a batch request preempted, the cache full.
+    The streams alone can say so late: vLLM may preempt three batch requests early and run one
+    to its end, and the blocks the streams have written then reach the cache's size only as that
+    answer ends (seen once in a clean-clone run: the batch answer ended first)."""
+    while True:
+        text = (await client.get(f"{engine_url}/metrics", timeout=60)).text
+        waiting = sum(
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:num_requests_waiting")
+        )
+        if waiting >= 1:
+            return
+        await asyncio.sleep(0.05)
 
 
 def blocks(tokens: int) -> int:
@@ -140,10 +156,12 @@ def test_an_interactive_request_beside_a_full_cache_of_batch_is_answered_before_
                 for i, s in enumerate(batch)
             ]
             deadline = time.monotonic() + DEADLINE
-            while sum(blocks(BATCH_PROMPT + s.written) for s in batch) < USABLE:
+            watch = asyncio.create_task(engine_queues(client, small_cache_engine.url))
+            while sum(blocks(BATCH_PROMPT + s.written) for s in batch) < USABLE and not watch.done():
                 assert not any(t.done() for t in tasks), ("a batch answer ended first", batch)
                 assert time.monotonic() < deadline, batch
                 await asyncio.sleep(0.01)
+            watch.cancel()
             interactive = Stream()
             prompt = [(7 * i) % 500 + 10 for i in range(INTERACTIVE_PROMPT)]  # in the tiny vocabulary (554)
             await complete(client, gw.url, "planner", prompt, 4, interactive)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from server.gateway.replicas.engine import Engine, EngineMetrics
 from server.gateway.replicas.scoring import (
     SCORERS,
     SHARED_BLOCK_WEIGHT,
@@ -19,17 +18,11 @@ from server.gateway.replicas.scoring import (
     prefix_score,
     spread_score,
 )
+from tests.gateway.replicas.made_up import E
 
 # Issue 34's prompt: 5 blocks of house rules every tenant's system prompt opens with, then 6 of its own.
 SHARED, OWN = 5, 6
 PROMPT = SHARED + OWN
-
-
-def E(id: str, outstanding: int = 0, *, kv_usage: float | None = 0.0) -> Engine:
-    engine = Engine("m", f"http://{id}")
-    engine.outstanding = outstanding
-    engine.metrics = EngineMetrics(kv_usage=kv_usage)
-    return engine
 
 
 def only(**weights: float) -> Weights:

@@ -6,20 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from server.gateway.replicas.engine import Engine, EngineMetrics
 from server.gateway.replicas.scoring import Candidate, Weights, choose_scored, worth_the_wait
+from tests.gateway.replicas.made_up import E
 
 # The tiny model on one core (run k's engines): about 2.4 ms to compute a block of 128 tokens.
 BLOCK_S = 0.0024
 SHARED, OWN = 4, 7
 PROMPT = SHARED + OWN
-
-
-def E(id: str, outstanding: int = 0, *, kv_usage: float | None = 0.0) -> Engine:
-    engine = Engine("m", f"http://{id}")
-    engine.outstanding = outstanding
-    engine.metrics = EngineMetrics(kv_usage=kv_usage)
-    return engine
 
 
 def test_a_cache_saving_must_outweigh_the_wait():

@@ -22,8 +22,11 @@ per workload). Each run measures, in one go:
 - `uncached`: two batch tenants with prompts of the same length, `shared`'s behind one long
   common system prompt (the prefix cache holds it), `unique`'s all different: the requests each
   got served while both were backlogged, and the gateway's counters (virtual and served tokens).
+- `where` (not run by default): where the planner's slow turns beside the batch come from. The
+  batch through the gateway in both phases; the planner through the gateway, then straight to the
+  engine (vLLM's default `priority`, 0, the interactive class's), each alone first.
 
-Usage: python -m bench.fairness --runs 3 --output docs/bench/fairness [--scenarios chapter,fair,uncached]
+Usage: python -m bench.fairness --runs 3 --output docs/bench/fairness [--scenarios chapter,fair,uncached,where]
        [--workers 2]  (the gateway's workers: each queues its own requests, with its share of the batch)
 The raw data (every request's timings) goes to OUTPUT/fairness.json, the summary to fairness.md.
 """
@@ -325,6 +328,43 @@ def slot_shares(results: list[dict], first: int) -> dict[str, Any]:
     return {"slots": slots, "tokens": tokens, "share": {t: tokens[t] / total if total else None for t in tokens}}
 
 
+async def where(gateway: str, engine: str, args: Any, run: int) -> dict[str, Any]:
+    """Where the planner's slow turns come from: the batch through the gateway in both phases, the
+    planner through the gateway or straight to the engine (no `priority` field: vLLM's default, 0,
+    the interactive class's own), each alone first. A slow turn that comes as often straight to
+    the engine is the engine's (its steps, its API server, the shared cores), not the gateway's."""
+    out: dict[str, Any] = {}
+    async with new_client() as client:
+        for phase, url, tenant, with_batch in (
+            ("alone_gateway", gateway, "planner", False),
+            ("alone_engine", engine, None, False),
+            ("beside_gateway", gateway, "planner", True),
+            ("beside_engine", engine, None, True),
+        ):
+            t0 = time.perf_counter()
+            jobs = [delayed(args.planner_delay if with_batch else 0.0, planner(client, url, tenant, args, t0))]
+            if with_batch:
+                seed = run * 10 + 5 + len(out)
+                jobs.append(batch(client, gateway, "articles", args.articles, args.article_tokens, t0, seed))
+            results = await asyncio.gather(*jobs)
+            turns, articles = results[0], (results[1] if with_batch else [])
+            figures = {
+                "turn_ttft_s": [t["ttft"] for t in turns],
+                "worst_turn_s": max((t["ttft"] or float("inf") for t in turns), default=None),
+                "makespan_s": max((a["done"] for a in articles), default=None),
+                "failed": sum(1 for r in [*articles, *turns] if r["status"] != 200),
+            }
+            out[phase] = {"figures": figures, "requests": [*articles, *turns]}
+            print(f"run {run} where {phase}: {json.dumps(figures)}", flush=True)
+            await asyncio.sleep(2)
+    out["goals"] = {
+        path: out[f"beside_{path}"]["figures"]["worst_turn_s"] / out[f"alone_{path}"]["figures"]["worst_turn_s"]
+        for path in ("gateway", "engine")
+    }
+    print(f"run {run} where ratios: {json.dumps(out['goals'])}", flush=True)
+    return out
+
+
 async def fair(gateway: str, engine: str, args: Any, run: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     async with new_client() as client:
@@ -517,7 +557,7 @@ async def main_async(args: Any) -> int:
         for run in range(args.runs):
             entry: dict[str, Any] = {"run": run, "load": os.getloadavg()}
             for scenario in args.scenarios.split(","):
-                fn = {"chapter": chapter, "fair": fair, "uncached": uncached}[scenario]
+                fn = {"chapter": chapter, "fair": fair, "uncached": uncached, "where": where}[scenario]
                 entry[scenario] = await fn(gateway_url, engine_url, args, run)
                 write(report | {"runs": [*report["runs"], entry]}, output)
             report["runs"].append(entry)
@@ -597,6 +637,47 @@ def fair_lines(fairs: list[dict[str, Any]]) -> list[str]:
     return [*lines, row("failed", str(failed), ""), ""]
 
 
+def where_lines(wheres: list[dict[str, Any]]) -> list[str]:
+    phases = ("alone_gateway", "alone_engine", "beside_gateway", "beside_engine")
+    lines = [
+        "## Where the slow turns come from (the batch through the gateway; the planner through it or not)",
+        "",
+        row("figure", "planner through the gateway", "planner straight to the engine"),
+        row("---", "---", "---"),
+    ]
+    for what in ("alone", "beside"):
+        cells = (
+            stat([w[f"{what}_{path}"]["figures"]["worst_turn_s"] for w in wheres]) for path in ("gateway", "engine")
+        )
+        lines.append(row(f"worst turn TTFT, {what} (s)", *cells))
+    lines.append(
+        row(
+            "worst turn beside the batch / alone",
+            *(stat([w["goals"][p] for w in wheres]) for p in ("gateway", "engine")),
+        )
+    )
+    slow = [
+        stat(
+            [sum(1 for t in w[f"beside_{path}"]["figures"]["turn_ttft_s"] if t is None or t > 0.25) for w in wheres], 0
+        )
+        for path in ("gateway", "engine")
+    ]
+    lines.append(row("turns beside the batch slower than 0.25 s", *slow))
+    lines.append(
+        row(
+            "batch makespan (s)",
+            *(stat([w[f"beside_{p}"]["figures"]["makespan_s"] for w in wheres], 1) for p in ("gateway", "engine")),
+        )
+    )
+    failed = sum(w[p]["figures"]["failed"] for w in wheres for p in phases)
+    lines += [row("failed requests (all phases, all runs)", str(failed), ""), "", "Every turn's TTFT (s):", ""]
+    for i, w in enumerate(wheres):
+        for phase in phases:
+            ttfts = ", ".join("-" if t is None else f"{t:.2f}" for t in w[phase]["figures"]["turn_ttft_s"])
+            lines.append(f"- run {i} {phase}: {ttfts}")
+    return [*lines, ""]
+
+
 def uncached_lines(uncacheds: list[dict[str, Any]]) -> list[str]:
     figs = [u["figures"] for u in uncacheds]
 
@@ -632,7 +713,8 @@ def summary(report: dict[str, Any]) -> str:
         f"Arguments: `{json.dumps(report['args'])}`. Each figure: median (min..max, runs); raw data: fairness.json.",
         "",
     ]
-    for name, render in (("chapter", chapter_lines), ("fair", fair_lines), ("uncached", uncached_lines)):
+    renders = (("chapter", chapter_lines), ("fair", fair_lines), ("uncached", uncached_lines), ("where", where_lines))
+    for name, render in renders:
         done = [r[name] for r in runs if name in r]
         if done:
             lines += render(done)

@@ -14,6 +14,8 @@ One stand-in engine (standin/: 20 ms to the first token, then 10 ms per token, 3
   (keys, an allow-list, every quota set and none reached: TENANTS_CONFIG), the load generator
   sending the first tenant's key: the cost of tenants (key lookup, quota admission and settlement,
   usage counters), side by side with `gateway x1` (`--side-by-side 'gateway x1,gateway x1 tenants'`);
+- `gateway x1 tenants no-flow` (not run by default): the same tenants with the flow gate off
+  (`flow.enabled: false`): tenants' own cost (issue 31) apart from the gate's (issue 32);
 - `gateway x1 capped`, `gateway x2 capped`: the same on core 1 alone, each worker held to a share
   of a core (`--cap`, 0.2 by default) by a CFS quota of its own (a cgroup under the cpu
   controller): the engine and the load generator keep core 0 to themselves, so two workers can
@@ -89,7 +91,12 @@ ALL_PATHS = (
     "direct", "vllm-router", "gateway x1", "gateway x2", "gateway x2 core 1", "gateway x1 capped", "gateway x2 capped"
 )  # fmt: skip
 TENANTS = "gateway x1 tenants"
-ONE_CORE = ("gateway x1", "gateway x2 core 1", "gateway x1 capped", "gateway x2 capped", TENANTS)  # all on core 1
+# The same tenants with the flow gate off (`flow.enabled: false`): what tenants cost without issue 32's gate.
+TENANTS_NO_FLOW = "gateway x1 tenants no-flow"
+WITH_TENANTS = (TENANTS, TENANTS_NO_FLOW)
+ONE_CORE = (
+    "gateway x1", "gateway x2 core 1", "gateway x1 capped", "gateway x2 capped", TENANTS, TENANTS_NO_FLOW
+)  # fmt: skip  # all on core 1
 TENANT_KEY = "sk-bench-planner-0123456789abcdef"  # a bench-only key, written in the bench's own config
 # Two tenants as an operator would configure them; the limits are far above what the bench sends
 # (~10,000 requests a minute at 64 streams), so every request passes the whole quota check and none
@@ -117,6 +124,11 @@ LATENCY_AT, CPU_AT = 4, 64
 CEILING_AT = (128, 256, 512, 768)  # 128: the throughput a change must keep (issue 29); the rest: the ceiling
 BOTH_CORES = "0,1"
 CAPPED = ("gateway x1 capped", "gateway x2 capped")
+
+
+def tenants_config(path: str) -> dict:
+    """The gateway config of a path with tenants: TENANTS_CONFIG, the flow gate off for TENANTS_NO_FLOW."""
+    return TENANTS_CONFIG | ({"flow": {"enabled": False}} if path == TENANTS_NO_FLOW else {})
 
 
 def _children(pid: int) -> list[int]:
@@ -193,9 +205,9 @@ def start_paths(
             argv = [PYTHON, "-P", "-m", "server", "serve", "--upstream", f"{MODEL}={engine_url}", "--port", str(port),
                     "--workers", workers]  # fmt: skip
             env["PYTHONPATH"] = str(gateway_code(procs.log_dir, rev) if rev else ROOT)
-            if name == TENANTS:
-                config = procs.log_dir / "tenants.gateway.yaml"
-                config.write_text(json.dumps(TENANTS_CONFIG))  # JSON is YAML
+            if name in WITH_TENANTS:
+                config = procs.log_dir / f"{name.replace(' ', '-')}.gateway.yaml"
+                config.write_text(json.dumps(tenants_config(name)))  # JSON is YAML
                 argv += ["--config", str(config)]
                 info["loadgen_env"] = {"LOADGEN_API_KEY": TENANT_KEY}
             core = "1" if name in ONE_CORE else BOTH_CORES
@@ -501,7 +513,7 @@ def _side_by_side_lines(side: dict | None) -> list[str]:
         f"- CPU per chunk side by side ({first} and {second} relaying at once, {side['concurrency']} streams "
         f"each), {second} / {first}: median {_fmt(side['ratio_median'], 2, 'x')}"
         + (" (goal <= 1.25x)" if (first, second) == ("vllm-router", "gateway x1") else "")
-        + (" (goal <= 1.03x)" if (first, second) == ("gateway x1", TENANTS) else "")
+        + (" (goal <= 1.03x)" if first == "gateway x1" and second in WITH_TENANTS else "")
         + "; round by round "
         f"{', '.join(_fmt(v, 2, 'x') for v in side['ratio_rounds'])}; us per chunk in each: {each}; "
         f"errors {side['errors']}",
@@ -518,7 +530,7 @@ def _side_ttft_lines(side: dict | None) -> list[str]:
         f"{', '.join(_fmt(v, 2) for v in side['minus_first_rounds_ms'][p])} ms)"
         for p in others
     )
-    goal = "+0.05" if TENANTS in others else "+0.3"
+    goal = "+0.05" if set(WITH_TENANTS) & set(others) else "+0.3"
     return [
         f"- added p50 TTFT side by side (direct, {', '.join(side['paths'])} each with {side['concurrency']} streams "
         f"of its own load generator, at once; {len(side['added_rounds_ms'])} windows, samples pooled): {added} "
@@ -533,7 +545,9 @@ def _paired_lines(paired: dict | None) -> list[str]:
         return []
     first, second = paired["paths"]
     low, _, high = paired["diff_quartiles_us"]
-    goal = "+50 us" if TENANTS in paired["paths"] or any("@" in p for p in paired["paths"]) else None  # issues 31, 29
+    goal = (
+        "+50 us" if set(WITH_TENANTS) & set(paired["paths"]) or any("@" in p for p in paired["paths"]) else None
+    )  # issues 31, 29
     return [
         f"- paired TTFT (bench.paired: one client on core 0, {first} and {second} in turn, one streamed request "
         f"at a time, {paired['pairs']} pairs): {second} minus {first} {paired['median_diff_us']:+.1f} us "

@@ -228,3 +228,17 @@ def test_a_capped_process_gets_its_quota_and_the_cgroup_goes_with_the_caps():
     finally:
         process.kill()
         process.wait()
+
+
+def test_the_no_flow_path_has_the_same_tenants_and_no_flow_gate():
+    from prometheus_client import CollectorRegistry
+
+    from bench.workers_bench import TENANTS, TENANTS_NO_FLOW, tenants_config
+    from server.gateway.flow.gate import build_gate
+    from server.gateway.settings import GatewaySettings
+
+    with_gate, without = (GatewaySettings.model_validate(tenants_config(p)) for p in (TENANTS, TENANTS_NO_FLOW))
+    assert [t.name for t in with_gate.tenants] == [t.name for t in without.tenants] == ["planner", "articles"]
+    assert with_gate.tenants[0].limits == without.tenants[0].limits
+    assert build_gate(with_gate, [], CollectorRegistry()) is not None
+    assert build_gate(without, [], CollectorRegistry()) is None

@@ -48,6 +48,7 @@ from typing import Any
 import httpx
 
 from bench.procs import PYTHON, ROOT, Processes, Started, commit_of, free_port
+from bench.proxy_bench import machine
 from loadtest.texts import ARTICLES_SYSTEM_PROMPT, CITIES, SYSTEM_PROMPT
 from server.engine.profiles import load_profile
 from server.engine.supervisor import EngineSupervisor, prepare
@@ -531,7 +532,12 @@ async def main_async(args: Any) -> int:
     procs = Processes()
     report: dict[str, Any] = {
         "commit": commit_of("HEAD"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_before": os.getloadavg()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "cpu": machine()["cpu"],
+            "platform": platform.platform(),
+            "load_before": os.getloadavg(),
+        },
         "args": vars(args),
         "runs": [],
     }
@@ -705,11 +711,12 @@ def summary(report: dict[str, Any]) -> str:
     """Median and range over the runs of every headline figure."""
     runs = report["runs"]
     load = ", ".join(f"{x:.1f}" for x in report["machine"]["load_before"])
+    cpu = report["machine"].get("cpu", "model not recorded")
     lines = [
         "# Issue 32: priority classes and fair queueing on a real vLLM engine",
         "",
-        f"Commit {report['commit']}; {report['machine']['cpus']} CPUs shared with other agents' engines and tests "
-        f"(load average before: {load}). Engine: configs/profiles/tiny-cpu-priority.yaml (max-num-seqs 32).",
+        f"Commit {report['commit']}; {report['machine']['cpus']} CPUs ({cpu}), "
+        f"load average before: {load}. Engine: configs/profiles/tiny-cpu-priority.yaml (max-num-seqs 32).",
         f"Arguments: `{json.dumps(report['args'])}`. Each figure: median (min..max, runs); raw data: fairness.json.",
         "",
     ]

@@ -207,6 +207,17 @@ async def delayed(seconds: float, job: Any) -> Any:
     return await job
 
 
+def phase_figures(turns: list[dict], articles: list[dict]) -> dict[str, Any]:
+    """One phase's figures: every turn's TTFT, the worst (no first token: inf), the batch's
+    makespan, the requests that failed."""
+    return {
+        "turn_ttft_s": [t["ttft"] for t in turns],
+        "worst_turn_s": max((t["ttft"] or float("inf") for t in turns), default=None),
+        "makespan_s": max((a["done"] for a in articles), default=None),
+        "failed": sum(1 for r in [*articles, *turns] if r["status"] != 200),
+    }
+
+
 async def chapter(gateway: str, engine: str, args: Any, run: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     async with new_client() as client:
@@ -241,12 +252,7 @@ async def chapter(gateway: str, engine: str, args: Any, run: int) -> dict[str, A
             results = await asyncio.gather(*jobs)
             articles = results[0] if with_batch else []
             turns = results[-1] if with_planner else []
-            figures = {
-                "turn_ttft_s": [t["ttft"] for t in turns],
-                "worst_turn_s": max((t["ttft"] or float("inf") for t in turns), default=None),
-                "makespan_s": max((a["done"] for a in articles), default=None),
-                "failed": sum(1 for r in [*articles, *turns] if r["status"] != 200),
-            }
+            figures = phase_figures(turns, articles)
             out[phase] = {"figures": figures, "requests": [*articles, *turns]}
             print(f"run {run} chapter {phase}: {json.dumps(figures)}", flush=True)
             await asyncio.sleep(2)
@@ -349,12 +355,7 @@ async def where(gateway: str, engine: str, args: Any, run: int) -> dict[str, Any
                 jobs.append(batch(client, gateway, "articles", args.articles, args.article_tokens, t0, seed))
             results = await asyncio.gather(*jobs)
             turns, articles = results[0], (results[1] if with_batch else [])
-            figures = {
-                "turn_ttft_s": [t["ttft"] for t in turns],
-                "worst_turn_s": max((t["ttft"] or float("inf") for t in turns), default=None),
-                "makespan_s": max((a["done"] for a in articles), default=None),
-                "failed": sum(1 for r in [*articles, *turns] if r["status"] != 200),
-            }
+            figures = phase_figures(turns, articles)
             out[phase] = {"figures": figures, "requests": [*articles, *turns]}
             print(f"run {run} where {phase}: {json.dumps(figures)}", flush=True)
             await asyncio.sleep(2)
@@ -604,11 +605,17 @@ def chapter_lines(chapters: list[dict[str, Any]]) -> list[str]:
     phases = ("planner_alone", "batch_alone", "both_direct", "both_gateway")
     failed = sum(c[p]["figures"]["failed"] for c in chapters for p in phases)
     lines += [row("failed requests (all phases, all runs)", str(failed)), "", "Every turn's TTFT (s):", ""]
-    for i, c in enumerate(chapters):
-        for phase in ("planner_alone", "both_direct", "both_gateway"):
-            ttfts = ", ".join(f"{t:.2f}" if t is not None else "-" for t in c[phase]["figures"]["turn_ttft_s"])
+    return [*lines, *every_turn(chapters, ("planner_alone", "both_direct", "both_gateway")), ""]
+
+
+def every_turn(runs: list[dict[str, Any]], phases: tuple[str, ...]) -> list[str]:
+    """A line per run and phase: each turn's TTFT (-: no first token)."""
+    lines = []
+    for i, scenario in enumerate(runs):
+        for phase in phases:
+            ttfts = ", ".join(f"{t:.2f}" if t is not None else "-" for t in scenario[phase]["figures"]["turn_ttft_s"])
             lines.append(f"- run {i} {phase}: {ttfts}")
-    return [*lines, ""]
+    return lines
 
 
 def slot_share(figures: dict[str, Any], tenant: str) -> float | None:
@@ -677,11 +684,7 @@ def where_lines(wheres: list[dict[str, Any]]) -> list[str]:
     )
     failed = sum(w[p]["figures"]["failed"] for w in wheres for p in phases)
     lines += [row("failed requests (all phases, all runs)", str(failed), ""), "", "Every turn's TTFT (s):", ""]
-    for i, w in enumerate(wheres):
-        for phase in phases:
-            ttfts = ", ".join("-" if t is None else f"{t:.2f}" for t in w[phase]["figures"]["turn_ttft_s"])
-            lines.append(f"- run {i} {phase}: {ttfts}")
-    return [*lines, ""]
+    return [*lines, *every_turn(wheres, phases), ""]
 
 
 def uncached_lines(uncacheds: list[dict[str, Any]]) -> list[str]:

@@ -165,7 +165,8 @@ class ProxiedEndpoints:
         quota = tenant.quota  # (its allow-list was checked before routing: `handle`)
         ticket = None
         if quota is not None:
-            ticket, headers = await quota.enter(reservation(request.body, len(request.raw) if json else 0))
+            reserve = reservation(request.body, len(request.raw) if json else 0)
+            ticket, headers = quota.admit(reserve) if quota.local else await quota.enter(reserve)
             if headers:
                 request.response_headers.extend(headers)
         if json:

@@ -77,28 +77,21 @@ def format_reset(seconds: float) -> str:
 
 class Budget:
     """One bucket's fixed side: `limit` units refilling at `limit / window` per second; its level
-    lives in the counter store (tenants.counters) and may go negative (debt)."""
+    lives in the counter store (tenants.counters) and may go negative (debt). Its headers' names
+    and its limit's header are made once (Quota.headers writes the levels)."""
 
-    __slots__ = ("limit", "rate", "_limit_header", "_remaining", "_reset")
+    __slots__ = ("limit", "rate", "limit_header", "remaining_name", "reset_name")
 
     def __init__(self, limit: int, window: float, kind: bytes = b"") -> None:
         self.limit = limit
         self.rate = limit / window
-        self._limit_header = (b"x-ratelimit-limit-" + kind, str(limit).encode())  # the same on every answer
-        self._remaining = b"x-ratelimit-remaining-" + kind
-        self._reset = b"x-ratelimit-reset-" + kind
+        self.limit_header = (b"x-ratelimit-limit-" + kind, str(limit).encode())  # the same on every answer
+        self.remaining_name = b"x-ratelimit-remaining-" + kind
+        self.reset_name = b"x-ratelimit-reset-" + kind
 
     def reset(self, level: float) -> float:
         """Seconds until the bucket is full again (OpenAI's `reset`)."""
         return max(0.0, (self.limit - level) / self.rate)
-
-    def headers(self, level: float) -> Headers:
-        wait = (self.limit - level) / self.rate
-        return [
-            self._limit_header,
-            (self._remaining, b"%d" % level if level > 0 else b"0"),  # (%d of a float: its floor, for level > 0)
-            (self._reset, b"%dms" % math.ceil(wait * 1000) if 0 < wait < 1 else format_reset(wait).encode()),
-        ]
 
 
 @dataclass(slots=True)
@@ -144,8 +137,10 @@ class Quota:
     @store.setter
     def store(self, store: CounterStore) -> None:
         self._store = store
-        # A local store answers at once: `enter` then asks it without awaiting (tenants.counters).
+        # A local store answers at once: `admit` asks it without an event loop, and `enter`
+        # without awaiting (tenants.counters).
         self._take_now = store.take_now if isinstance(store, HostLike) else None
+        self.local = self._take_now is not None
 
     @property
     def limited(self) -> bool:
@@ -157,16 +152,28 @@ class Quota:
         now, from a local store)."""
         if requests is None or tokens is None:
             requests, tokens = self._local().peek(self.key, self.limits)
-        if self.requests is not None:
-            out = self.requests.headers(requests)
-            if self.tokens is not None:
-                out += self.tokens.headers(tokens)
-            return out
-        return self.tokens.headers(tokens) if self.tokens is not None else []
+        out: Headers = []  # (one loop, no call per bucket: this runs for every answer)
+        for budget, level in ((self.requests, requests), (self.tokens, tokens)):
+            if budget is not None:
+                wait = (budget.limit - level) / budget.rate
+                out.append(budget.limit_header)
+                out.append((budget.remaining_name, b"%d" % level if level > 0 else b"0"))  # (%d of a float: its floor)
+                if 0 < wait < 1:
+                    out.append((budget.reset_name, b"%dms" % -(-wait * 1000 // 1)))  # (milliseconds, rounded up)
+                else:
+                    out.append((budget.reset_name, format_reset(wait).encode()))
+        return out
 
     def admit(self, reserve: int) -> tuple[Ticket, Headers]:
-        """`enter` without an event loop, for a local store (tenants.counters)."""
-        return self._answer(self._local().take_now(self.key, self.limits, reserve), reserve)
+        """`enter` without an event loop, for a local store (`local`: tenants.counters); the
+        request path takes it when it can, as a call costs less than a coroutine."""
+        take_now = self._take_now
+        if take_now is None:
+            raise RuntimeError("this quota's counters are remote: use `await quota.enter(...)`")
+        outcome = take_now(self.key, self.limits, reserve)
+        if outcome.verdict == OK:  # (`_answer`'s first case: the path of every request within its quota)
+            return Ticket(self, reserve, outcome.slot), self.headers(outcome.requests, outcome.tokens)
+        return self._answer(outcome, reserve)
 
     async def enter(self, reserve: int) -> tuple[Ticket, Headers]:
         """Take one request and `reserve` tokens, or raise QuotaExceeded (with Retry-After when

@@ -10,7 +10,7 @@ import pytest
 from server.gateway.flow.classes import request_class
 from server.gateway.flow.control import FlowControl, Pass
 from server.gateway.flow.errors import QueueRefused
-from server.gateway.flow.fairshare import PromptCosts, VirtualCounters, prompt_charge
+from server.gateway.flow.fairshare import VirtualCounters
 from server.gateway.flow.saturation import capacity
 from server.gateway.replicas.engine import Engine, EngineMetrics
 from server.gateway.replicas.pool import ModelPool
@@ -57,10 +57,20 @@ def test_a_client_may_lower_its_class_never_raise_it() -> None:
     assert request_class("standard", "urgent") == "standard"
 
 
-def test_prompt_charge_is_the_uncached_part() -> None:
-    assert prompt_charge(1000, 900) == 100
-    assert prompt_charge(10, 50) == 0  # an engine's odd figure never charges below zero
-    assert prompt_charge(10, 0) == 10
+def answered(gate: FlowControl, p: ModelPool, tenant: str, answer: dict[str, object]) -> None:
+    """One request of `tenant` let in at once and answered with this `usage`."""
+    held = gate.pass_now(p, tenant, "standard", 5)
+    assert held is not None
+    gate.leave(held, answer)
+
+
+def test_an_answer_is_charged_the_uncached_part_of_its_prompt_and_its_output() -> None:
+    gate, p = control(), pool()
+    for prompt, cached, uncached in ((1000, 900, 100), (10, 50, 0), (10, 0, 10)):  # (10, 50): never below 0
+        before, served = gate.counters.get("t"), gate.tally.served_tokens["m", "t"]
+        answered(gate, p, "t", usage(prompt, 7, cached=cached))
+        assert gate.counters.get("t") == before + uncached + 7  # the reservation given back
+        assert gate.tally.served_tokens["m", "t"] == served + uncached + 7
 
 
 def test_a_tenant_back_from_a_pause_is_lifted_to_the_waiting_minimum() -> None:
@@ -161,12 +171,13 @@ async def test_requests_let_in_at_once_count_before_they_end_so_a_newcomer_gets_
 
 
 def test_a_tenants_recent_prompt_cost_is_a_moving_average_and_a_newcomer_gets_the_models() -> None:
-    costs = PromptCosts()
+    gate, p = control(), pool()
+    costs = gate.prompt_costs
     assert costs.expect("m", "a") == 0  # nothing settled on the model yet
-    costs.settled("m", "a", 100)
-    costs.settled("m", "a", 0)  # the newest answer weighs 0.2
+    answered(gate, p, "a", usage(100, 1))
+    answered(gate, p, "a", usage(30, 1, cached=30))  # all cached: cost 0; the newest answer weighs 0.2
     assert costs.expect("m", "a") == pytest.approx(80)
-    costs.settled("m", "b", 10)
+    answered(gate, p, "b", usage(10, 1))
     assert costs.expect("m", "b") == 10
     assert costs.expect("m", "new") == pytest.approx(0.8 * 80 + 0.2 * 10)  # the model's average
     assert costs.expect("other", "a") == 0  # per model

@@ -15,6 +15,10 @@ Beside the counts, the time to first byte at one stream: the two gateways in tur
 request, and the median of the paired differences (after - before), the way a busy machine's
 drift cancels best. It is a time and moves with the machine; the count does not.
 
+`--after-tenants` gives the after gateway bench.workers_bench's two tenants (what tenants add to
+a request); with `--before-tenants` too, both gateways have them (two versions of the tenants'
+path, side by side).
+
 Usage: python -m bench.request_work --before 2734949 [--after REV] [--requests 200] --output DIR
 """
 
@@ -107,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the after gateway with bench.workers_bench's two tenants (quotas set, none reached); both sent its key",
     )
     parser.add_argument(
+        "--before-tenants",
+        action="store_true",
+        help="with --after-tenants: the before gateway with the same tenants (compare two versions of their path)",
+    )
+    parser.add_argument(
         "--pin",
         action="store_true",
         help="the engine and this client on core 0, both gateways on core 1 (where the scheduler would "
@@ -114,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)
+    if args.before_tenants and not args.after_tenants:
+        parser.error("--before-tenants compares two versions of the tenants' path: give --after-tenants too")
     engine_core, gateway_core = (0, 1) if args.pin else (None, None)
     if args.pin:
         os.sched_setaffinity(0, {0})
@@ -122,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     report = report_header()
     report.update(before=commit_of(args.before), after=commit_of(args.after), requests=args.requests, modes={})
     report["after_tenants"] = args.after_tenants
+    report["before_tenants"] = args.before_tenants
     report["pinned"] = args.pin
     key = TENANT_KEY if args.after_tenants else None
     with tempfile.TemporaryDirectory(prefix="request-work-") as tmp, Processes(Path(tmp)) as procs:
@@ -146,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             env = {"PYTHONPATH": f"{code}{os.pathsep}{site}", "REQUEST_WORK_OUT": str(out)}
             argv = [PYTHON, "-P", "-m", "server", "serve", "--upstream", f"{MODEL}={engine_url}", "--port", str(port),
                     "--workers", "1"]  # fmt: skip
-            if side == "after" and args.after_tenants:
+            if args.after_tenants and (side == "after" or args.before_tenants):
                 config = Path(tmp) / "tenants.gateway.yaml"
                 tenants = [{**t, "models": [MODEL]} if "models" in t else t for t in TENANTS_CONFIG["tenants"]]
                 config.write_text(json.dumps({"tenants": tenants}))  # JSON is YAML
@@ -253,7 +265,13 @@ def paired_ttft(gateways: dict, request: bytes, stream: bool, n: int, warmup: in
 def render(report: dict) -> str:
     lines = [
         f"# The gateway's work per request: {report['before']} -> {report['after']}"
-        + (" with tenants (two, every quota set, none reached)" if report.get("after_tenants") else ""),
+        + (
+            " (both with tenants: two, every quota set, none reached)"
+            if report.get("before_tenants")
+            else " with tenants (two, every quota set, none reached)"
+            if report.get("after_tenants")
+            else ""
+        ),
         "",
         f"{report['date']}, measured at commit {report['commit']}; machine: {report['machine']}; "
         f"load {report['loadavg_before']} before, {report['loadavg_after']} after. "

@@ -86,8 +86,10 @@ class HostileEngine:
         never by a cancel before they start."""
         assert self._server is not None
         this = asyncio.current_task()
-        while any(task is not this and task not in self._handlers for task in asyncio.all_tasks()):
-            await asyncio.sleep(0)  # an accept on its way to its handler: a few turns of the loop
+        for _ in range(10_000):  # an accept on its way to its handler: a few turns of the loop
+            if all(task is this or task in self._handlers for task in asyncio.all_tasks()):
+                break
+            await asyncio.sleep(0)
         self._server.close()
         for writer in list(self._writers):
             writer.transport.abort()  # close() would wait on a buffer the peer may never read

@@ -137,7 +137,10 @@ class ProxiedEndpoints:
                 log.error("request %s: %s after the response started", rid, exc.message)
             else:
                 record.status = exc.status
-                extra = [*request.response_headers, *id_header] if request is not None else id_header
+                extra = id_header
+                if request is not None:
+                    request.add_late_headers()
+                    extra = [*request.response_headers, *id_header]
                 await send_error(send, exc, extra)
         except Exception:
             log.exception("unexpected error in request %s (POST %s)", rid, endpoint.path)
@@ -166,8 +169,11 @@ class ProxiedEndpoints:
         ticket = None
         if quota is not None:
             reserve = reservation(request.body, len(request.raw) if json else 0)
-            ticket, headers = quota.admit(reserve) if quota.local else await quota.enter(reserve)
-            if headers:
+            if quota.local:  # a call, and the headers made while the engine works (proxy.exchange)
+                ticket = quota.take(reserve)
+                request.late_headers = ticket.headers
+            else:
+                ticket, headers = await quota.enter(reserve)
                 request.response_headers.extend(headers)
         if json:
             body = without_claims(request.body)

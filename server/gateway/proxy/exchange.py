@@ -227,6 +227,7 @@ class Exchange(ClientAnswer):
             except httpx.HTTPError as exc:
                 self._raise(exc, engine, Stage.CONNECT)
             assert response is not None
+            request.add_late_headers()  # the engine has the request: made while it works on it
             if response.status_code == 503:
                 content = await self._read_whole(response, engine)
                 raise _Retry(NoEngineAvailable(f"Engine {engine.id} answered 503."), (503, response.headers, content))

@@ -10,6 +10,7 @@ router resolves to the engine that stored it (request.targets).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl
@@ -47,9 +48,19 @@ class GatewayRequest:
     response_id: str | None = None  # retrieve/cancel: the stored response the path names
     pin: Engine | None = None  # the one replica that may answer (it stored the response asked for)
     adapter: str | None = None  # `model` names this LoRA adapter of the pool's base model
+    # Headers of the answer that can be made while the engine works (a tenant's rate-limit
+    # headers): `add_late_headers` makes them, once the engine has the request or before any answer.
+    late_headers: Callable[[], Headers] | None = None
 
     def header(self, name: bytes) -> str | None:
         return header_str(self.headers, name)
+
+    def add_late_headers(self) -> None:
+        """Add `late_headers` to `response_headers` (once: later calls add nothing)."""
+        late = self.late_headers
+        if late is not None:
+            self.late_headers = None
+            self.response_headers.extend(late())
 
     def replace_body(self, body: dict[str, Any]) -> None:
         """Send `body` instead of what the client sent."""

@@ -103,6 +103,12 @@ class Ticket:
     slot: object = None  # the store's handle on its concurrency slot
     checked: bool = True  # False: let in unchecked (the store was unreachable): nothing to settle
     settled: bool = field(default=False)
+    requests: float = math.nan  # the buckets' levels after this request (its answer's headers)
+    tokens: float = math.nan
+
+    def headers(self) -> Headers:
+        """The answer's `x-ratelimit-*` headers, as of this request (none when it went in unchecked)."""
+        return self.quota.headers(self.requests, self.tokens) if self.checked else []
 
     def settle(self, used: int | None) -> None:
         """The request ended: free its concurrency slot and charge `used` tokens instead of the
@@ -165,15 +171,21 @@ class Quota:
         return out
 
     def admit(self, reserve: int) -> tuple[Ticket, Headers]:
-        """`enter` without an event loop, for a local store (`local`: tenants.counters); the
-        request path takes it when it can, as a call costs less than a coroutine."""
+        """`enter` without an event loop, for a local store (`local`: tenants.counters)."""
+        ticket = self.take(reserve)
+        return ticket, ticket.headers()
+
+    def take(self, reserve: int) -> Ticket:
+        """`admit` without the headers, which the ticket makes when asked (`Ticket.headers`): the
+        request path asks once the engine has the request, and makes them while it works. A call
+        (not a coroutine, as `enter`): a local store answers at once."""
         take_now = self._take_now
         if take_now is None:
             raise RuntimeError("this quota's counters are remote: use `await quota.enter(...)`")
         outcome = take_now(self.key, self.limits, reserve)
         if outcome.verdict == OK:  # (`_answer`'s first case: the path of every request within its quota)
-            return Ticket(self, reserve, outcome.slot), self.headers(outcome.requests, outcome.tokens)
-        return self._answer(outcome, reserve)
+            return Ticket(self, reserve, outcome.slot, requests=outcome.requests, tokens=outcome.tokens)
+        return self._answer(outcome, reserve)[0]  # (a refusal raises)
 
     async def enter(self, reserve: int) -> tuple[Ticket, Headers]:
         """Take one request and `reserve` tokens, or raise QuotaExceeded (with Retry-After when
@@ -187,7 +199,8 @@ class Quota:
     def _answer(self, outcome: Outcome, reserve: int) -> tuple[Ticket, Headers]:
         verdict = outcome.verdict
         if verdict == OK:
-            return Ticket(self, reserve, outcome.slot), self.headers(outcome.requests, outcome.tokens)
+            ticket = Ticket(self, reserve, outcome.slot, requests=outcome.requests, tokens=outcome.tokens)
+            return ticket, ticket.headers()
         if verdict == UNCHECKED:
             return Ticket(self, reserve, checked=False), []
         headers = self.headers(outcome.requests, outcome.tokens)

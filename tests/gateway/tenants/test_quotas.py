@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tests.gateway.conftest import chat_body, fast_settings
-from tests.support import wait_for
+from tests.support import refusing_port, wait_for
 
 LIMITED, OPEN = "sk-limited", "sk-open"
 
@@ -61,6 +61,25 @@ def test_every_answer_carries_the_rate_limit_headers_and_over_quota_is_429_with_
     unlimited = post(gw.url, OPEN, chat_body())  # another tenant's budget is its own
     assert unlimited.status_code == 200
     assert not [h for h in unlimited.headers if h.startswith("x-ratelimit")]
+
+
+def test_an_answer_the_engine_failed_carries_the_rate_limit_headers_too(engines, gateway):
+    """An admitted request took from the budget, so its error answer says so too: an engine's own
+    error (relayed), and the gateway's when the engine stays unavailable (the headers are made while
+    the engine works, and before any answer that never reached it)."""
+    [engine] = engines(1)
+    gw = gateway(settings(engine.url, requests_per_minute=5))
+    relayed = post(gw.url, LIMITED, {**chat_body(), "standin": {"status": 500}})
+    engine.faults(status=503)
+    unavailable = post(gw.url, LIMITED, chat_body(stream=True))
+    assert relayed.status_code == 500 and unavailable.status_code == 503, (relayed.text, unavailable.text)
+    with refusing_port() as port:  # an engine never reached: the gateway's own 502/503
+        never = post(gateway(settings(f"http://127.0.0.1:{port}", requests_per_minute=5)).url, LIMITED, chat_body())
+    assert never.status_code in (502, 503), never.text
+    for answer, remaining in ((relayed, "4"), (unavailable, "3"), (never, "4")):
+        assert answer.headers["x-ratelimit-limit-requests"] == "5"
+        assert answer.headers["x-ratelimit-remaining-requests"] == remaining
+        assert answer.headers["x-request-id"]
 
 
 @pytest.mark.one_process("settled just after the answer: the next request on another worker may come first")

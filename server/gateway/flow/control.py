@@ -34,7 +34,7 @@ from typing import Any
 
 from server.gateway.flow.classes import CLASSES, RANK, Class
 from server.gateway.flow.errors import QueueRefused
-from server.gateway.flow.fairshare import PromptCosts, VirtualCounters
+from server.gateway.flow.fairshare import PromptCosts, VirtualCounters, prompt_charge
 from server.gateway.flow.saturation import capacity
 from server.gateway.flow.tally import FlowTally
 from server.gateway.observability.record import cached_count, token_counts
@@ -143,24 +143,12 @@ class FlowControl:
         which the answer settles: a tenant whose requests went straight in while there was room
         has its counter show them at once, prompts included, so a tenant that starts waiting
         beside it is lifted to a counter that counts them."""
-        name = pool.name
-        queue = self.models.get(name)
+        queue = self.models.get(pool.name)
         if queue is None or queue.pool is not pool:
             queue = self._queue(pool)
-        if queue.waiting:
+        if queue.waiting or (self._room(queue, klass) <= 0 and pool.healthy_count):
             return None
-        if klass == "batch" or (self.priority_models and name in self.priority_models):
-            room = self._room(queue, klass)
-        else:  # (`_room` of the common case, written out: this runs for every request with room)
-            batch = self._batch.get(name) or self.max_num_seqs(name)
-            room = capacity(pool.engines, batch, self.settings.kv_usage_limit, self.workers) - queue.inflight
-        if room <= 0 and pool.healthy_count:
-            return None
-        costs = self.prompt_costs  # (PromptCosts.expect, written out)
-        expected = costs.tenants.get((name, tenant))
-        if expected is None:
-            expected = costs.models.get(name, 0.0)
-        return self._admit(queue, tenant, klass, reserve + expected, 0.0)
+        return self._admit(queue, tenant, klass, reserve + self.prompt_costs.expect(pool.name, tenant), 0.0)
 
     async def enter(self, pool: ModelPool, tenant: str, klass: Class, cost: float) -> Pass:
         """Wait until `pool`'s engines have room for this request (at once when they do); raises
@@ -221,25 +209,12 @@ class FlowControl:
         held.left = True
         model = held.model
         if prompt is not None or completion is not None:
-            # What it cost the engine: its prompt less what the prefix cache held (never below 0
-            # on an engine's odd figure), and its output. The tenant's and the model's recent
-            # prompt costs (flow.fairshare.PromptCosts) move toward it, the tenant's counter is
-            # charged it instead of the reservation. (Written out, not calls into flow.fairshare
-            # and flow.tally: this runs for every answer.)
-            tenant = held.tenant
-            uncached = prompt - cached if prompt and cached < prompt else 0  # (cached_count: never below 0)
+            uncached = prompt_charge(prompt or 0, cached)
             if prompt is not None:
-                costs = self.prompt_costs
-                weight = costs.WEIGHT
-                average = costs.tenants.get((model, tenant))
-                costs.tenants[model, tenant] = uncached if average is None else average + weight * (uncached - average)
-                average = costs.models.get(model)
-                costs.models[model] = uncached if average is None else average + weight * (uncached - average)
+                self.prompt_costs.settled(model, held.tenant, uncached)
             actual = uncached + (completion or 0)
-            values = self.counters.values
-            value = values.get(tenant, 0.0) + actual - held.charged
-            values[tenant] = value if value > 0 else 0.0
-            self.tally.served_tokens[model, tenant] += actual
+            self.counters.charge(held.tenant, actual - held.charged)
+            self.tally.served(model, held.tenant, actual)
         queue = self.models.get(model)
         if queue is None:
             return
@@ -282,14 +257,9 @@ class FlowControl:
     def _admit(self, queue: ModelQueue, tenant: str, klass: Class, cost: float, waited: float) -> Pass:
         queue.inflight += 1
         queue.by_class[klass] += 1
+        self.counters.charge(tenant, cost)
         model = queue.pool.name
-        if waited == 0 and cost >= 0:  # (the counter's charge and the tally's count, written out)
-            values = self.counters.values
-            values[tenant] = values.get(tenant, 0.0) + cost
-            self.tally.admitted_total[model, klass, tenant, "false"] += 1
-        else:
-            self.counters.charge(tenant, cost)
-            self.tally.admitted(model, klass, tenant, waited)
+        self.tally.admitted(model, klass, tenant, waited)
         return Pass(model, tenant, klass, cost, waited, self.clock())
 
     def _pass_of(self, model: str, waiter: Waiter, arrived: float) -> Pass:

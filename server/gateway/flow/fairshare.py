@@ -40,10 +40,14 @@ class VirtualCounters:
             self.values[tenant] = floor
 
 
+def prompt_charge(prompt_tokens: int, cached_tokens: int) -> int:
+    """What a prompt cost the engine: its tokens minus those found in the prefix cache."""
+    return max(0, prompt_tokens - min(cached_tokens, prompt_tokens))
+
+
 class PromptCosts:
     """What each tenant's prompts cost the engine lately (uncached tokens, a moving average of
-    settled answers; a tenant new to a model: the model's average, else 0). Pure state, no clock:
-    FlowControl.settle moves both averages by WEIGHT toward each answer's cost."""
+    settled answers; a tenant new to a model: the model's average, else 0). Pure state, no clock."""
 
     __slots__ = ("tenants", "models")
     WEIGHT = 0.2  # of the newest answer
@@ -55,3 +59,11 @@ class PromptCosts:
     def expect(self, model: str, tenant: str) -> float:
         known = self.tenants.get((model, tenant))
         return known if known is not None else self.models.get(model, 0.0)
+
+    def settled(self, model: str, tenant: str, tokens: int) -> None:
+        """An answer's prompt cost `tokens` (prompt_charge): each average moves by WEIGHT toward it."""
+        weight = self.WEIGHT
+        average = self.tenants.get((model, tenant))
+        self.tenants[model, tenant] = tokens if average is None else average + weight * (tokens - average)
+        average = self.models.get(model)
+        self.models[model] = tokens if average is None else average + weight * (tokens - average)

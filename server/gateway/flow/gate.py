@@ -48,30 +48,19 @@ class FlowGate:
         now: the path of every request while the engines are not full, so no prompt is read
         (the charge is a reservation of its output and of its tenant's recent prompt cost).
         None: it must wait (`wait`)."""
-        # (The header's and the output's loops are written out here rather than called: this runs
-        # for every request of a tenant, and at one request at a time each call costs microseconds
-        # of code out of the CPU's caches: docs/configure/tenants.md, "What it costs".)
         tenant = record.tenant
         assert tenant is not None
         klass = self.classes.get(tenant, "standard")
-        for name, value in request.headers:
-            if name == PRIORITY_HEADER:
-                klass = request_class(klass, value.decode("latin-1"))
-                break
+        asked = request.header(PRIORITY_HEADER)
+        if asked is not None:
+            klass = request_class(klass, asked)
         record.priority = klass
         if self.priority_models and pool.name in self.priority_models and request.endpoint.name in PRIORITY_ENDPOINTS:
             request.replace_body({**request.body, "priority": VLLM_PRIORITY[klass]})
         # reserved until the answer settles: its output, and the tenant's recent prompt cost
         # (flow.control.pass_now); the body's size was tried as a prompt estimate and dropped
         # (10-20x the uncached part behind a cached system prompt: docs/operate/flow-control.md)
-        body = request.body
-        for field in OUTPUT_FIELDS:  # (_output_tokens)
-            output = body.get(field)
-            if type(output) is int and output >= 0:
-                break
-        else:
-            output = self.control.settings.expected_output_tokens
-        held = self.control.pass_now(pool, tenant, klass, output)
+        held = self.control.pass_now(pool, tenant, klass, _output_tokens(request.body, self.control))
         if held is not None:
             record.queued_s = 0.0
         return held

@@ -95,8 +95,11 @@ class Pool:
         *,
         connect_timeout: float | None = None,
         read_timeout: float | None = None,
+        sent: Callable[[], object] | None = None,
     ) -> Connection:
-        """Send one request to `key` and return its connection once the answer's head arrived.
+        """Send one request to `key` and return its connection once the answer's head arrived;
+        `sent` is called once the request is written, while the server works on it (again if a
+        stale keep-alive connection made it send once more).
 
         The connection holds a slot of its origin until `release(connection)`; read its body first.
         Raises ConnectError, ConnectTimeout, ReadTimeout (the head, with a `read_timeout`) or ProtocolError.
@@ -118,6 +121,8 @@ class Pool:
                     connection = await self._connect(key, origin, connect_timeout)
                 try:
                     connection.send(head, body)
+                    if sent is not None:
+                        sent()
                     await connection.read_head(read_timeout)
                     return connection
                 except ProtocolError:

@@ -89,6 +89,25 @@ async def test_the_request_goes_out_as_written():
     ]
 
 
+async def test_sent_is_called_once_the_request_is_written_before_the_answer_comes():
+    """The server answers only once `sent` ran: had the pool waited for the head first, this
+    request would hang until its read timeout."""
+    called = asyncio.Event()
+
+    async def handle(reader, writer, index):
+        await read_request(reader)
+        await called.wait()
+        writer.write(HELLO)
+        await writer.drain()
+
+    async with server(handle) as (key, _):
+        pool = Pool()
+        connection = await pool.request(key, *post(key), read_timeout=60, sent=called.set)
+        assert called.is_set() and await connection.read_chunk() == b"hello"
+        pool.release(connection)
+        await pool.aclose()
+
+
 async def test_a_pooled_connection_that_went_stale_is_retried_once_on_a_fresh_one():
     async def handle(reader, writer, index):
         await read_request(reader)

@@ -39,7 +39,7 @@ from server.gateway.observability.record import (
 from server.gateway.proxy.proxy import Proxy
 from server.gateway.request.endpoints import Endpoint
 from server.gateway.request.ids import request_id_from
-from server.gateway.request.request import GatewayRequest, parse_request
+from server.gateway.request.request import GatewayRequest, output_cap, parse_request
 from server.gateway.request.targets import resolve, served
 from server.gateway.tenants.directory import TenantDirectory, TenantRuntime, without_claims
 from server.gateway.tenants.errors import ModelNotAllowed
@@ -139,7 +139,7 @@ class ProxiedEndpoints:
                 record.status = exc.status
                 extra = id_header
                 if request is not None:
-                    request.add_late_headers()
+                    request.sent()
                     extra = [*request.response_headers, *id_header]
                 await send_error(send, exc, extra)
         except Exception:
@@ -165,11 +165,13 @@ class ProxiedEndpoints:
         answer gets its rate-limit headers, and the engine a body without the client's claims
         (and with the tenant's cache_salt, for an isolated tenant)."""
         json = request.endpoint.model_from == "json"  # an upload's bytes (audio) are no prompt estimate
+        if json:
+            request.output_cap = output_cap(request.body)  # (read once: the quota's, then the flow gate's)
         quota = tenant.quota  # (its allow-list was checked before routing: `handle`)
         ticket = None
         if quota is not None:
-            reserve = reservation(request.body, len(request.raw) if json else 0)
-            if quota.local:  # a call, and the headers made while the engine works (proxy.exchange)
+            reserve = reservation(request.output_cap, len(request.raw) if json else 0)
+            if quota.local:  # a call, and the headers made while the engine works (GatewayRequest.sent)
                 ticket = quota.take(reserve)
                 request.late_headers = ticket.headers
             else:

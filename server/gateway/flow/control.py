@@ -70,6 +70,7 @@ class Pass:
     admitted_at: float
     left: bool = False
     chars: int = 0  # the prompt's characters (flow.gate learns characters per token from usage)
+    booked: bool = True  # False: let in by `pass_now`, its charge and count not yet made (`book`)
 
 
 @dataclass(eq=False)
@@ -148,7 +149,23 @@ class FlowControl:
             queue = self._queue(pool)
         if queue.waiting or (self._room(queue, klass) <= 0 and pool.healthy_count):
             return None
-        return self._admit(queue, tenant, klass, reserve + self.prompt_costs.expect(pool.name, tenant), 0.0)
+        queue.inflight += 1  # (its room is taken now; the rest of `_admit` is `book`, made while the engine works)
+        queue.by_class[klass] += 1
+        return Pass(pool.name, tenant, klass, reserve, 0.0, self.clock(), booked=False)
+
+    def book(self, held: Pass) -> None:
+        """A request `pass_now` let in: charge its tenant's counter its reservation plus what the
+        tenant's prompts cost lately, and count it admitted. The gateway calls this once the request
+        is written to the engine (GatewayRequest.sent), so the work overlaps the engine's; `settle`
+        calls it if nothing did. A tenant that starts waiting in between (a few microseconds: the
+        request is already on its way) is lifted to a counter without this request."""
+        if held.booked:
+            return
+        held.booked = True
+        model, tenant = held.model, held.tenant
+        held.charged += self.prompt_costs.expect(model, tenant)
+        self.counters.charge(tenant, held.charged)
+        self.tally.admitted(model, held.klass, tenant, 0.0)
 
     async def enter(self, pool: ModelPool, tenant: str, klass: Class, cost: float) -> Pass:
         """Wait until `pool`'s engines have room for this request (at once when they do); raises
@@ -206,6 +223,8 @@ class FlowControl:
         """`leave` with the usage's tokens already read (observability.record: RequestRecord.tokens)."""
         if held.left:
             return
+        if not held.booked:
+            self.book(held)
         held.left = True
         model = held.model
         if prompt is not None or completion is not None:

@@ -8,8 +8,8 @@ it writes the class and the wait into the request's record (the access log line)
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import partial
 from time import monotonic, perf_counter
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -25,7 +25,6 @@ from server.gateway.settings import GatewaySettings, worker_count
 
 # Endpoints whose vLLM request takes a `priority` field.
 PRIORITY_ENDPOINTS = frozenset({"chat", "completions"})
-OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 
 
 class FlowGate:
@@ -60,9 +59,11 @@ class FlowGate:
         # reserved until the answer settles: its output, and the tenant's recent prompt cost
         # (flow.control.pass_now); the body's size was tried as a prompt estimate and dropped
         # (10-20x the uncached part behind a cached system prompt: docs/operate/flow-control.md)
-        held = self.control.pass_now(pool, tenant, klass, _output_tokens(request.body, self.control))
+        control = self.control
+        held = control.pass_now(pool, tenant, klass, _output_tokens(request, control))
         if held is not None:
             record.queued_s = 0.0
+            request.late_work = partial(control.book, held)  # its charge, made while the engine works
         return held
 
     async def wait(
@@ -76,7 +77,7 @@ class FlowGate:
             prompt = await pool.cache.read(
                 pool.name, request.body, pool.engines, precise=False, adapter=request.adapter
             )
-        cost = self._uncached_tokens(pool, prompt) + _output_tokens(request.body, self.control)
+        cost = self._uncached_tokens(pool, prompt) + _output_tokens(request, self.control)
         started = perf_counter()
         try:
             held = await self.control.enter(pool, tenant, klass, cost)  # type: ignore[arg-type]
@@ -103,13 +104,11 @@ class FlowGate:
         return uncached_chars / self.chars_per_token.get(pool.name, CHARS_PER_TOKEN)
 
 
-def _output_tokens(body: Mapping[str, Any], control: FlowControl) -> int:
-    """The output a request may write, reserved until its usage says: its limit, else a default."""
-    for name in OUTPUT_FIELDS:
-        value = body.get(name)
-        if type(value) is int and value >= 0:
-            return value
-    return control.settings.expected_output_tokens
+def _output_tokens(request: GatewayRequest, control: FlowControl) -> int:
+    """The output a request may write, reserved until its usage says: its cap (read on the
+    tenant's path: app.proxied), else a default."""
+    cap = request.output_cap
+    return cap if cap is not None else control.settings.expected_output_tokens
 
 
 def build_gate(

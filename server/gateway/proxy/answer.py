@@ -57,7 +57,7 @@ class ClientAnswer:
         headers = [(k, v) for k, v in upstream_headers if k.lower() not in DROPPED_RESPONSE_HEADERS]
         if content_length is not None:
             headers.append((b"content-length", str(content_length).encode()))
-        request.add_late_headers()  # (made already, unless the engine was never reached)
+        request.sent()  # (done already, unless the engine was never reached)
         headers.extend(request.response_headers)
         headers.append((b"x-request-id", request.request_id.encode()))
         self.record.status = status

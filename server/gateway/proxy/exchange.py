@@ -222,12 +222,16 @@ class Exchange(ClientAnswer):
         try:
             try:
                 response = await context.upstream.post(
-                    target, self._upstream_headers(), body_for(request, engine), connect_timeout=context.connect_timeout
+                    target,
+                    self._upstream_headers(),
+                    body_for(request, engine),
+                    connect_timeout=context.connect_timeout,
+                    # what can wait is done while the engine works (GatewayRequest.sent)
+                    sent=request.sent if request.late_work is not None or request.late_headers is not None else None,
                 )
             except httpx.HTTPError as exc:
                 self._raise(exc, engine, Stage.CONNECT)
             assert response is not None
-            request.add_late_headers()  # the engine has the request: made while it works on it
             if response.status_code == 503:
                 content = await self._read_whole(response, engine)
                 raise _Retry(NoEngineAvailable(f"Engine {engine.id} answered 503."), (503, response.headers, content))

@@ -159,14 +159,16 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         *,
         connect_timeout: float | None = None,
         read_timeout: float | None = None,
+        sent: Callable[[], object] | None = None,
     ) -> _Body:
         """Send `body` to `target` (a POST unless the target says otherwise); the answer once its headers
-        arrived (raises httpx's exceptions)."""
+        arrived (raises httpx's exceptions). `sent` is called once the request is written, while the
+        engine works on it."""
         lines = [target.request_line]
         for name, value in headers:
             lines += [name, b": ", value, b"\r\n"]
         lines += [b"content-length: ", str(len(body)).encode(), b"\r\n\r\n"]
-        return await self._exchange(target.key, b"".join(lines), body, connect_timeout, read_timeout, None)
+        return await self._exchange(target.key, b"".join(lines), body, connect_timeout, read_timeout, None, sent)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         """The same, for an httpx.AsyncClient built on this transport (health checks, /tokenize)."""
@@ -190,10 +192,11 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         connect_timeout: float | None,
         read_timeout: float | None,
         request: httpx.Request | None,
+        sent: Callable[[], object] | None = None,
     ) -> _Body:
         try:
             connection = await self._pool.request(
-                key, head, body, connect_timeout=connect_timeout, read_timeout=read_timeout
+                key, head, body, connect_timeout=connect_timeout, read_timeout=read_timeout, sent=sent
             )
         except http1.Http1Error as exc:
             raise _httpx_error(exc, request) from None

@@ -51,7 +51,11 @@ class Upstream(Protocol):
         *,
         connect_timeout: float | None = None,
         read_timeout: float | None = None,
-    ) -> UpstreamResponse: ...
+        sent: Callable[[], object] | None = None,
+    ) -> UpstreamResponse:
+        """Send a request; its answer once the head arrived. `sent()`: once the request is written
+        (the gateway's own transport), or once the head arrived (httpx tells nothing sooner)."""
+        ...
 
 
 class _ClientResponse:
@@ -105,8 +109,12 @@ class ClientUpstream:
         *,
         connect_timeout: float | None = None,
         read_timeout: float | None = None,
+        sent: Callable[[], object] | None = None,
     ) -> _ClientResponse:
         timeout = httpx.Timeout(connect=connect_timeout, read=read_timeout, write=connect_timeout, pool=connect_timeout)
         method, url = target
         request = self.client.build_request(method, url, content=body, headers=headers, timeout=timeout)
-        return _ClientResponse(await self.client.send(request, stream=True))
+        response = await self.client.send(request, stream=True)
+        if sent is not None:  # (httpx says nothing between writing the request and reading the head)
+            sent()
+        return _ClientResponse(response)

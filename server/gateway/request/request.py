@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from server.gateway.replicas.engine import Engine
 
 JSON = b"application/json"
+OUTPUT_CAPS = ("max_completion_tokens", "max_tokens", "max_output_tokens")  # the newer name first; Responses'
 _FORM_FIELDS = frozenset({"model", "stream"})
 
 
@@ -48,16 +49,22 @@ class GatewayRequest:
     response_id: str | None = None  # retrieve/cancel: the stored response the path names
     pin: Engine | None = None  # the one replica that may answer (it stored the response asked for)
     adapter: str | None = None  # `model` names this LoRA adapter of the pool's base model
-    # Headers of the answer that can be made while the engine works (a tenant's rate-limit
-    # headers): `add_late_headers` makes them, once the engine has the request or before any answer.
+    # What can wait until the engine works on the request (`sent`): the answer's headers that
+    # are made then (a tenant's rate-limit headers), and bookkeeping (the flow gate's charge).
     late_headers: Callable[[], Headers] | None = None
+    late_work: Callable[[], object] | None = None
+    output_cap: int | None = None  # `output_cap(body)`, read once on a tenant's path for its quota and the flow gate
 
     def header(self, name: bytes) -> str | None:
         return header_str(self.headers, name)
 
-    def add_late_headers(self) -> None:
-        """Add `late_headers` to `response_headers` (once: later calls add nothing)."""
-        late = self.late_headers
+    def sent(self) -> None:
+        """The engine has the request (or the answer is made without it): do the late work and add
+        `late_headers` to `response_headers` (once: later calls do nothing)."""
+        work, late = self.late_work, self.late_headers
+        if work is not None:
+            self.late_work = None
+            work()
         if late is not None:
             self.late_headers = None
             self.response_headers.extend(late())
@@ -66,6 +73,16 @@ class GatewayRequest:
         """Send `body` instead of what the client sent."""
         self.body = body
         self.raw = dumps(body)
+
+
+def output_cap(body: dict[str, Any]) -> int | None:
+    """The output the request may write as its body caps it (the first of OUTPUT_CAPS that is a
+    whole number >= 0), or None (no cap, or one the engine will refuse)."""
+    for name in OUTPUT_CAPS:
+        value = body.get(name)
+        if type(value) is int and value >= 0:
+            return value
+    return None
 
 
 def parse_request(

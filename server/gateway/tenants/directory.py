@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from server.gateway.request.request import output_cap
 from server.gateway.settings import QuotaStore, Tenant
 from server.gateway.tenants.counters import CounterStore, open_store
 from server.gateway.tenants.errors import ModelNotAllowed
@@ -56,7 +57,7 @@ class TenantRuntime:
             raise ModelNotAllowed(self.name, model)
         if self.quota is None:
             return None, []
-        return self.quota.admit(reservation(body, raw_length))
+        return self.quota.admit(reservation(output_cap(body), raw_length))
 
     async def enter(self, model: str, body: dict[str, Any], raw_length: int) -> tuple[Ticket | None, Headers]:
         """`admit` over any counter store (Redis included). (The request path checks the allow-list
@@ -65,7 +66,7 @@ class TenantRuntime:
             raise ModelNotAllowed(self.name, model)
         if self.quota is None:
             return None, []
-        return await self.quota.enter(reservation(body, raw_length))
+        return await self.quota.enter(reservation(output_cap(body), raw_length))
 
 
 def without_claims(body: dict[str, Any]) -> dict[str, Any] | None:

@@ -20,7 +20,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from server.gateway.settings import TenantLimits
 from server.gateway.tenants.counters import (
@@ -50,18 +50,12 @@ class HostLike(Protocol):
 
 Headers = list[tuple[bytes, bytes]]
 CHARS_PER_TOKEN = 4  # a prompt's estimate before the engine counts it: bytes of the body over this
-_COMPLETION_CAPS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 
 
-def reservation(body: dict[str, Any], raw_length: int) -> int:
-    """Tokens to reserve for a request: the prompt's estimate plus its completion cap, if any."""
-    completion = 0
-    for name in _COMPLETION_CAPS:
-        value = body.get(name)
-        if type(value) is int and value > 0:
-            completion = value
-            break
-    return raw_length // CHARS_PER_TOKEN + 1 + completion
+def reservation(completion_cap: int | None, raw_length: int) -> int:
+    """Tokens to reserve for a request: the prompt's estimate (`raw_length`, its body's bytes) plus
+    its completion cap, if any (request.output_cap)."""
+    return raw_length // CHARS_PER_TOKEN + 1 + (completion_cap or 0)
 
 
 def format_reset(seconds: float) -> str:

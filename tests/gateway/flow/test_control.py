@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from server.gateway.flow.classes import request_class
+from server.gateway.flow.classes import Class, request_class
 from server.gateway.flow.control import FlowControl, Pass
 from server.gateway.flow.errors import QueueRefused
 from server.gateway.flow.fairshare import VirtualCounters
@@ -55,6 +55,34 @@ def test_a_client_may_lower_its_class_never_raise_it() -> None:
     assert request_class("batch", "interactive") == "batch"
     assert request_class("standard", "interactive") == "standard"
     assert request_class("standard", "urgent") == "standard"
+
+
+def sent(gate: FlowControl, p: ModelPool, tenant: str, klass: Class, reserve: float) -> Pass | None:
+    """`pass_now`, then `book` as the gateway does once the engine has the request."""
+    held = gate.pass_now(p, tenant, klass, reserve)
+    if held is not None:
+        gate.book(held)
+    return held
+
+
+def test_a_request_let_in_at_once_is_charged_when_booked_once_and_by_its_settlement_if_never_booked() -> None:
+    gate, p = control(), pool()
+    answered(gate, p, "t", usage(40, 10))  # the tenant's prompts now cost 40 lately
+    before = gate.counters.get("t")
+    held = gate.pass_now(p, "t", "standard", 5)
+    assert held is not None and not held.booked
+    assert gate.counters.get("t") == before and gate.models["m"].inflight == 1  # its room taken, not yet charged
+    gate.book(held)
+    gate.book(held)  # (once)
+    assert gate.counters.get("t") == before + 45 and held.charged == 45
+    assert gate.tally.admitted_total["m", "standard", "t", "false"] == 2
+    gate.leave(held, usage(40, 10))  # used 50 of 45
+    assert gate.counters.get("t") == before + 50 and gate.models["m"].inflight == 0
+    never = gate.pass_now(p, "t", "standard", 5)
+    assert never is not None
+    gate.leave(never, usage(40, 10))  # never booked (the engine was not reached): booked, then settled
+    assert never.booked and gate.counters.get("t") == before + 100
+    assert gate.tally.admitted_total["m", "standard", "t", "false"] == 3
 
 
 def answered(gate: FlowControl, p: ModelPool, tenant: str, answer: dict[str, object]) -> None:
@@ -154,7 +182,7 @@ async def test_requests_let_in_at_once_count_before_they_end_so_a_newcomer_gets_
     light, lifted to it when it starts waiting, alternates with heavy instead of being served alone
     until heavy's first batch has ended and settled (light took every slot before this rule)."""
     gate, p = control(max_num_seqs=4), pool()
-    first = [gate.pass_now(p, "heavy", "batch", 100) for _ in range(4)]
+    first = [sent(gate, p, "heavy", "batch", 100) for _ in range(4)]
     assert all(held is not None for held in first) and gate.counters.get("heavy") == 400
     assert gate.pass_now(p, "heavy", "batch", 100) is None  # full: it must wait
     served: list[str] = []
@@ -189,12 +217,12 @@ async def test_a_request_let_in_at_once_reserves_its_tenants_recent_prompt_cost_
     light, lifted to it, alternates with heavy: without the prompts, heavy's settlements would
     have added them after the lift, and light would have gone first until it caught up."""
     gate, p = control(max_num_seqs=4), pool()
-    earlier = gate.pass_now(p, "heavy", "batch", 50)
+    earlier = sent(gate, p, "heavy", "batch", 50)
     assert earlier is not None and gate.counters.get("heavy") == 50  # nothing settled yet: no prompt cost
     gate.leave(earlier, usage(80, 50, cached=30))  # its prompt cost 50
     assert gate.prompt_costs.expect("m", "heavy") == 50 and gate.prompt_costs.expect("m", "new") == 50
     before = gate.counters.get("heavy")
-    first = [gate.pass_now(p, "heavy", "batch", 50) for _ in range(4)]
+    first = [sent(gate, p, "heavy", "batch", 50) for _ in range(4)]
     assert all(held is not None for held in first) and gate.counters.get("heavy") == before + 4 * 100
     served: list[str] = []
     tasks = [asyncio.create_task(take_turn(gate, p, "heavy", 100, usage(80, 50, cached=30), served)) for _ in range(20)]

@@ -62,7 +62,7 @@ async def test_requests_wait_only_when_full_and_go_by_class_as_room_appears(engi
         running = [asyncio.create_task(post(client, gw.url, "articles", f"run-{i}")) for i in range(2)]
         await until(lambda: engine.stats()["held"] == 2, engine.stats)
         # let in at once, unanswered: each is on its tenant's counter already (its reservation:
-        # its max_tokens of 4), not only once it has settled
+        # its max_tokens of 4, booked as it was written to the engine), not only once it has settled
         assert gw.metric("gateway_flow_virtual_tokens", tenant="articles") == 2 * 4
         batch = [asyncio.create_task(post(client, gw.url, "articles", f"batch-{i}")) for i in range(2)]
         await until(lambda: queued(gw, **{"class": "batch"}) == 2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from server.gateway.request.request import output_cap
 from server.gateway.settings import TenantLimits
 from server.gateway.tenants.errors import QuotaExceeded
 from server.gateway.tenants.quota import Quota, format_reset, reservation
@@ -142,12 +143,13 @@ def test_reset_durations_are_written_as_openai_writes_them(seconds, text):
 
 
 def test_reservation_is_the_prompt_estimate_plus_the_completion_cap():
-    assert reservation({}, 400) == 101
-    assert reservation({"max_tokens": 50}, 400) == 151
-    assert reservation({"max_completion_tokens": 70, "max_tokens": 50}, 0) == 71  # the newer name wins
-    assert reservation({"max_output_tokens": 9}, 0) == 10  # Responses
-    assert reservation({"max_tokens": "50"}, 0) == 1  # not a number: nothing reserved (the engine refuses it)
-    assert reservation({"max_tokens": True}, 0) == 1
+    assert reservation(output_cap({}), 400) == 101
+    assert reservation(output_cap({"max_tokens": 50}), 400) == 151
+    assert reservation(output_cap({"max_completion_tokens": 70, "max_tokens": 50}), 0) == 71  # the newer name wins
+    assert reservation(output_cap({"max_output_tokens": 9}), 0) == 10  # Responses
+    assert reservation(output_cap({"max_tokens": "50"}), 0) == 1  # not a number: nothing reserved
+    assert reservation(output_cap({"max_tokens": True}), 0) == 1
+    assert reservation(output_cap({"max_tokens": -3}), 0) == 1
 
 
 def test_the_rate_limit_headers_of_an_answer_as_openai_writes_them():

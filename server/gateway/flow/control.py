@@ -139,11 +139,12 @@ class FlowControl:
 
     def pass_now(self, pool: ModelPool, tenant: str, klass: Class, reserve: float) -> Pass | None:
         """Admit at once when the model has room and nobody waits (or it has no engine: routing
-        answers 503), else None (then `enter`). Charged `reserve` (flow.gate: the output it may
-        write) plus what the tenant's prompts cost lately (its prompt is not read on this path),
-        which the answer settles: a tenant whose requests went straight in while there was room
-        has its counter show them at once, prompts included, so a tenant that starts waiting
-        beside it is lifted to a counter that counts them."""
+        answers 503), else None (then `enter`). The pass takes its room now; its charge, `reserve`
+        (flow.gate: the output it may write) plus what the tenant's prompts cost lately (its prompt
+        is not read on this path), is booked by `book` once the engine has the request, and the
+        answer settles it: a tenant whose requests went straight in while there was room has its
+        counter show them while they are in flight, prompts included, so a tenant that starts
+        waiting beside it is lifted to a counter that counts them."""
         queue = self.models.get(pool.name)
         if queue is None or queue.pool is not pool:
             queue = self._queue(pool)

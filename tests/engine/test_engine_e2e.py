@@ -19,8 +19,9 @@ from tests.support import wait_for
 pytestmark = pytest.mark.engine
 
 
-def test_chat_completion_through_the_openai_sdk(real_engine):
+def test_chat_completion_through_the_openai_sdk(real_engine, request):
     client = openai.OpenAI(base_url=real_engine.openai_base_url, api_key="unused")
+    request.addfinalizer(client.close)
     reply = client.chat.completions.create(
         model=real_engine.model,
         max_tokens=8,
@@ -35,8 +36,9 @@ def test_chat_completion_through_the_openai_sdk(real_engine):
     assert reply.usage.prompt_tokens > 5
 
 
-def test_streamed_chat_completion_through_the_openai_sdk(real_engine):
+def test_streamed_chat_completion_through_the_openai_sdk(real_engine, request):
     client = openai.OpenAI(base_url=real_engine.openai_base_url, api_key="unused")
+    request.addfinalizer(client.close)
     stream = client.chat.completions.create(
         model=real_engine.model,
         max_tokens=6,

@@ -66,9 +66,12 @@ def test_every_dashboard_query_and_alert_expression_returns_data(real_engine):
     # The profile's plan gives gateway_engine_kv_cache_planned_tokens; the URL is the engine.
     models = [served_model(model, [real_engine.url], real_engine.profile)]
     app = create_app(settings, models, registry=CollectorRegistry())
-    with serve_in_thread(app) as gateway, run_prometheus(gateway, rule_files=[ALERTS]) as prom:
-        client = openai.OpenAI(base_url=gateway + "/v1", api_key=PLANNER_KEY, max_retries=0, timeout=60)
-        limited = openai.OpenAI(base_url=gateway + "/v1", api_key=LIMITED_KEY, max_retries=0, timeout=60)
+    with (
+        serve_in_thread(app) as gateway,
+        run_prometheus(gateway, rule_files=[ALERTS]) as prom,
+        openai.OpenAI(base_url=gateway + "/v1", api_key=PLANNER_KEY, max_retries=0, timeout=60) as client,
+        openai.OpenAI(base_url=gateway + "/v1", api_key=LIMITED_KEY, max_retries=0, timeout=60) as limited,
+    ):
 
         def send(stream: bool, i: int) -> None:
             request = dict(

@@ -109,12 +109,12 @@ def test_the_cli_serves_a_users_hook_with_the_openai_sdk_streaming(engines, tmp_
 
         wait_for(ready, timeout=120, what=lambda: log.read_text()[-2000:])
         assert httpx.get(f"{url}/v1/whoami", headers={"x-team": "t"}, timeout=30).json() == {"team": "t"}
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        raw = client.chat.completions.with_raw_response.create(
-            model="standin", messages=[{"role": "user", "content": "hi"}], stream=True
-        )
-        assert raw.headers["x-user-middleware"] == "seen"
-        chunks = list(raw.parse())
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+            raw = client.chat.completions.with_raw_response.create(
+                model="standin", messages=[{"role": "user", "content": "hi"}], stream=True
+            )
+            assert raw.headers["x-user-middleware"] == "seen"
+            chunks = list(raw.parse())
         assert any(c.choices and c.choices[0].delta.content for c in chunks)
     finally:
         process.send_signal(signal.SIGINT)

@@ -131,10 +131,10 @@ def test_the_openai_sdk_retries_after_the_reset_and_succeeds(engines, gateway):
     [engine] = engines(1)
     gw = gateway(settings(engine.url, requests_per_minute=1, window_seconds=3.0))
     assert post(gw.url, LIMITED, chat_body()).status_code == 200  # the one request of this window
-    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=LIMITED, max_retries=3, timeout=60)
-    raw = client.chat.completions.with_raw_response.create(
-        model="standin", messages=[{"role": "user", "content": "hello there"}]
-    )
+    with openai.OpenAI(base_url=f"{gw.url}/v1", api_key=LIMITED, max_retries=3, timeout=60) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model="standin", messages=[{"role": "user", "content": "hello there"}]
+        )
     completion = raw.parse()
     assert completion.choices[0].message.content
     assert raw.retries_taken >= 1  # it met the 429 and waited the Retry-After the gateway gave

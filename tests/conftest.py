@@ -13,11 +13,13 @@ find it serving, and its failure says that the engine crashed during it (tests/e
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +97,27 @@ def pytest_runtest_call(item):
                     + engine.crash_lines(since)
                 )
         raise
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_teardown(item, nextitem):
+    """A module's last test, once everything of it was torn down, collects the garbage: what the
+    module leaked (an unclosed socket, file or transport) fails that test's teardown, naming it,
+    and not whichever later test a full collection happens to run in."""
+    result = yield
+    if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
+        leaked: list[str] = []
+        previous = sys.unraisablehook
+        sys.unraisablehook = lambda unraisable: leaked.append(f"{unraisable.exc_value}")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", ResourceWarning)
+                gc.collect()
+        finally:
+            sys.unraisablehook = previous
+        if leaked:
+            raise AssertionError(f"{item.module.__name__} left garbage that was never closed: " + "; ".join(leaked))
+    return result
 
 
 def pytest_collection_modifyitems(config, items):

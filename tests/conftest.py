@@ -116,7 +116,7 @@ def pytest_runtest_teardown(item, nextitem):
         finally:
             sys.unraisablehook = previous
         if leaked:
-            raise AssertionError(f"{item.module.__name__} left garbage that was never closed: " + "; ".join(leaked))
+            raise AssertionError(f"{item.path.name} left garbage that was never closed: " + "; ".join(leaked))
     return result
 
 

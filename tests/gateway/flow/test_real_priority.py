@@ -22,12 +22,22 @@ from tests.gateway.flow.two_tenants import KEYS, PROFILE, two_tenants
 
 pytestmark = [pytest.mark.engine, pytest.mark.one_process("one engine, one gateway worker: the order is the engine's")]
 
-WAITING = 8  # batch requests beyond the engine's max-num-seqs (32): they wait in vLLM's queue
-# Each batch answer's length: the waiting ones wait that many engine steps, long enough on a busy
-# machine for a slow /metrics poll to see them and for the interactive request to arrive. The
-# engine writes hundreds of tokens a second while two CPU hogs make the request path take seconds:
-# at 96 tokens the poll missed the queue, at 400 the interactive request came after it.
-BATCH_TOKENS = 1500
+RUNNING = 32  # the engine's max-num-seqs: these fill it
+WAITING = 8  # batch requests sent once it is full: they wait in vLLM's queue
+# The running requests are sent one at a time, each once the one before runs, and the i-th answers
+# BATCH_TOKENS + STAGGER * i tokens: each starts later and runs longer than the one before, so the
+# engine frees its slots one at a time, over STAGGER steps apart, and each freed slot goes to the
+# head of its queue. Answers of one length, sent at once, end in one engine step: every slot frees
+# together, the interactive request and all the waiting batch start in one step, and which first
+# token comes first is the relay's toss (the clean-clone make test of 4b1f53a lost it).
+# BATCH_TOKENS is long enough on a busy machine for a slow /metrics poll to see the queue and for the
+# interactive request to arrive while it lasts. The waiting answers and the interactive one are long
+# enough that the slots they free come steps after the interactive request's first token: with
+# 16-token waiting answers under two CPU hogs, three came within 1 ms of it.
+BATCH_TOKENS = 1000
+STAGGER = 16
+WAITING_TOKENS = 100
+INTERACTIVE_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
@@ -72,31 +82,39 @@ async def first_token_at(client: httpx.AsyncClient, url: str, tenant: str, token
 def test_the_class_reaches_vllm_as_priority_and_vllm_runs_interactive_before_waiting_batch(priority_engine, gateway):
     gw = gateway(settings(priority_engine.url))
 
+    def engine_gauge(name: str) -> float:
+        text = httpx.get(f"{priority_engine.url}/metrics", timeout=10).text
+        for line in text.splitlines():
+            if line.startswith(f"vllm:{name}{{"):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    async def until(name: str, count: int) -> None:
+        deadline = time.monotonic() + 300
+        while await asyncio.to_thread(engine_gauge, name) < count:
+            assert time.monotonic() < deadline, f"the engine's {name} never reached {count}"
+            await asyncio.sleep(0.1)
+
     async def scenario() -> tuple[list[float], float]:
         async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=100)) as client:
-            batch = [
-                asyncio.create_task(first_token_at(client, gw.url, "articles", BATCH_TOKENS))
-                for _ in range(32 + WAITING)
-            ]
 
-            def engine_queue() -> float:
-                text = httpx.get(f"{priority_engine.url}/metrics", timeout=10).text
-                for line in text.splitlines():
-                    if line.startswith("vllm:num_requests_waiting{"):
-                        return float(line.rsplit(" ", 1)[1])
-                return 0.0
+            def articles(tokens: int) -> asyncio.Task[float]:
+                return asyncio.create_task(first_token_at(client, gw.url, "articles", tokens))
 
-            deadline = time.monotonic() + 300
-            while await asyncio.to_thread(engine_queue) < WAITING // 2:  # batch waits in vLLM's queue
-                assert time.monotonic() < deadline, "the engine never queued the batch"
-                await asyncio.sleep(0.1)
-            interactive = await first_token_at(client, gw.url, "planner", 4)
-            return list(await asyncio.gather(*batch)), interactive
+            running = []
+            for i in range(RUNNING):
+                running.append(articles(BATCH_TOKENS + STAGGER * i))
+                await until("num_requests_running", i + 1)
+            waiting = [articles(WAITING_TOKENS) for _ in range(WAITING)]
+            await until("num_requests_waiting", WAITING)
+            interactive = await first_token_at(client, gw.url, "planner", INTERACTIVE_TOKENS)
+            await asyncio.gather(*running)
+            return list(await asyncio.gather(*waiting)), interactive
 
-    batch, interactive = asyncio.run(scenario())
-    passed = sum(1 for t in batch if t > interactive)
-    # First come first served, the interactive request (sent last) would start after every batch one.
-    assert passed >= WAITING // 2, (passed, sorted(batch)[-WAITING:], interactive)
+    waiting, interactive = asyncio.run(scenario())
+    passed = sum(1 for t in waiting if t > interactive)
+    # First come first served, the interactive request (sent last) would start after every waiting one.
+    assert passed >= WAITING // 2, (passed, sorted(waiting), interactive)
 
 
 def test_a_non_zero_priority_is_accepted_only_because_the_profile_schedules_by_priority(priority_engine):

@@ -61,7 +61,7 @@ KEYS = {
 CLASSES = {"planner": "interactive"}  # every other tenant is batch
 
 
-def gateway_config(engine_url: str) -> dict[str, Any]:
+def gateway_config(engine_url: str, access_log: bool = False) -> dict[str, Any]:
     return {
         "models": [{"name": MODEL, "profile": str(PROFILE), "urls": [engine_url]}],
         "tenants": [
@@ -70,7 +70,7 @@ def gateway_config(engine_url: str) -> dict[str, Any]:
         "timeouts": {"first_byte": 900.0, "idle": 300.0, "total": 1800.0},
         "flow": {"max_wait": {"interactive": 120.0, "standard": 600.0, "batch": 850.0}},
         "metrics_scrape_interval": 1.0,
-        "access_log": False,
+        "access_log": access_log,  # off unless asked for (--access-log): one line a request
     }
 
 
@@ -228,6 +228,7 @@ async def chapter(gateway: str, engine: str, args: Any, run: int) -> dict[str, A
             ("both_gateway", gateway, True, True),
         ):
             t0 = time.perf_counter()
+            started = time.time()  # the phase's start on the wall clock, to place the access log's lines (`ts`)
             via_gateway = url == gateway
             jobs = []
             if with_batch:
@@ -253,7 +254,7 @@ async def chapter(gateway: str, engine: str, args: Any, run: int) -> dict[str, A
             articles = results[0] if with_batch else []
             turns = results[-1] if with_planner else []
             figures = phase_figures(turns, articles)
-            out[phase] = {"figures": figures, "requests": [*articles, *turns]}
+            out[phase] = {"figures": figures, "requests": [*articles, *turns], "started": started}
             print(f"run {run} chapter {phase}: {json.dumps(figures)}", flush=True)
             await asyncio.sleep(2)
     a, b, d = (out[p]["figures"] for p in ("planner_alone", "batch_alone", "both_gateway"))
@@ -548,7 +549,7 @@ async def main_async(args: Any) -> int:
         engine_url = engine.url
         print(f"engine ready at {engine_url}", flush=True)
         config = procs.log_dir / "fairness.gateway.json"
-        config.write_text(json.dumps(gateway_config(engine_url)))
+        config.write_text(json.dumps(gateway_config(engine_url, args.access_log)))
         gport = free_port()
         gateway = procs.start(
             "gateway",
@@ -572,7 +573,19 @@ async def main_async(args: Any) -> int:
     finally:
         procs.close()
         await engine.stop()
+        if args.access_log:
+            keep_access_log(procs.log_dir / "gateway.log", output / "access.jsonl")
     return 0
+
+
+def keep_access_log(log: Path, out: Path) -> None:
+    """The gateway's access-log lines (one JSON object a request), in order, from its whole log."""
+    if not log.exists():
+        print(f"no gateway log at {log}: access.jsonl not written", flush=True)
+        return
+    lines = [line for line in log.read_text(errors="replace").splitlines() if '"logger":"gateway.access"' in line]
+    out.write_text("".join(line + "\n" for line in lines))
+    print(f"{len(lines)} access-log lines: {out}", flush=True)
 
 
 def stat(values: list[Any], digits: int = 2) -> str:
@@ -753,6 +766,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-chars", type=int, default=1200)
     parser.add_argument(
         "--workers", type=int, default=1, help="the gateway's workers (each queues its own requests: issue 32 item 5)"
+    )
+    parser.add_argument(
+        "--access-log",
+        action="store_true",
+        help="the gateway writes its access log (each request's class, gate wait, TTFT); kept as OUTPUT/access.jsonl",
     )
     parser.add_argument("--render", help="re-render OUTPUT/fairness.md from this fairness.json (figures added since)")
     args = parser.parse_args(argv)

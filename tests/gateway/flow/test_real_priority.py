@@ -24,20 +24,16 @@ pytestmark = [pytest.mark.engine, pytest.mark.one_process("one engine, one gatew
 
 RUNNING = 32  # the engine's max-num-seqs: these fill it
 WAITING = 8  # batch requests sent once it is full: they wait in vLLM's queue
-# The running requests are sent one at a time, each once the one before runs, and the i-th answers
-# BATCH_TOKENS + STAGGER * i tokens: each starts later and runs longer than the one before, so the
-# engine frees its slots one at a time, over STAGGER steps apart, and each freed slot goes to the
-# head of its queue. Answers of one length, sent at once, end in one engine step: every slot frees
-# together, the interactive request and all the waiting batch start in one step, and which first
-# token comes first is the relay's toss (the clean-clone make test of 4b1f53a lost it).
-# BATCH_TOKENS is long enough on a busy machine for a slow /metrics poll to see the queue and for the
-# interactive request to arrive while it lasts. The waiting answers and the interactive one are long
-# enough that the slots they free come steps after the interactive request's first token: with
-# 16-token waiting answers under two CPU hogs, three came within 1 ms of it.
-BATCH_TOKENS = 1000
-STAGGER = 16
-WAITING_TOKENS = 100
-INTERACTIVE_TOKENS = 16
+# The test frees one slot itself, by leaving one running stream (the gateway aborts its engine
+# request), once the waiting batch and then the interactive request are in vLLM's queue; the
+# request at the head of the queue takes it. No answer ends on its own while the test looks:
+# answers of one length sent together end in one engine step, and freed every slot at once in
+# the test before (the interactive request and all eight waiting ones started in one step, and
+# the clean-clone make test of 4b1f53a lost the relay's toss); staggered lengths with the running
+# requests sent one by one let the first ones end before the last started on a fresh engine
+# (the clean-clone make test of e87a40e).
+BATCH_TOKENS = 1900  # (max-model-len 2048) thousands of engine steps with 32 running
+INTERACTIVE_TOKENS = 200  # it holds the slot it took while the test looks
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +50,9 @@ def settings(url: str) -> GatewaySettings:
     )
 
 
-async def first_token_at(client: httpx.AsyncClient, url: str, tenant: str, tokens: int) -> float:
+async def stream(client: httpx.AsyncClient, url: str, tenant: str, tokens: int, first: asyncio.Event) -> None:
+    """One streamed chat request of `tenant` through the gateway; `first` is set at its first
+    content token. Runs until the answer ends or the task is cancelled (the client leaves)."""
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": f"{tenant}: write about Lisbon."}],
@@ -65,18 +63,15 @@ async def first_token_at(client: httpx.AsyncClient, url: str, tenant: str, token
     headers = {"authorization": f"Bearer {KEYS[tenant]}"}
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as response:
         assert response.status_code == 200, await response.aread()
-        first = None
         async for line in response.aiter_lines():
             compact = line.replace(" ", "")
             if (
-                first is None
+                not first.is_set()
                 and compact.startswith("data:{")
                 and '"content":"' in compact
                 and '"content":""' not in compact
             ):
-                first = time.perf_counter()
-        assert first is not None
-        return first
+                first.set()
 
 
 def test_the_class_reaches_vllm_as_priority_and_vllm_runs_interactive_before_waiting_batch(priority_engine, gateway):
@@ -89,32 +84,47 @@ def test_the_class_reaches_vllm_as_priority_and_vllm_runs_interactive_before_wai
                 return float(line.rsplit(" ", 1)[1])
         return 0.0
 
-    async def until(name: str, count: int) -> None:
+    async def until(name: str, count: int, tasks: list[asyncio.Task[None]]) -> None:
         deadline = time.monotonic() + 300
         while await asyncio.to_thread(engine_gauge, name) < count:
+            for task in tasks:
+                if task.done():
+                    task.result()  # (a request that failed: its error, not the deadline's)
+                    raise AssertionError(f"a request ended while the engine's {name} was below {count}")
             assert time.monotonic() < deadline, f"the engine's {name} never reached {count}"
             await asyncio.sleep(0.1)
 
-    async def scenario() -> tuple[list[float], float]:
+    async def scenario() -> tuple[bool, list[bool]]:
         async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=100)) as client:
+            tasks: list[asyncio.Task[None]] = []
+            watching: list[asyncio.Task[bool]] = []
 
-            def articles(tokens: int) -> asyncio.Task[float]:
-                return asyncio.create_task(first_token_at(client, gw.url, "articles", tokens))
+            def send(tenant: str, tokens: int) -> asyncio.Event:
+                first = asyncio.Event()
+                tasks.append(asyncio.create_task(stream(client, gw.url, tenant, tokens, first)))
+                return first
 
-            running = []
-            for i in range(RUNNING):
-                running.append(articles(BATCH_TOKENS + STAGGER * i))
-                await until("num_requests_running", i + 1)
-            waiting = [articles(WAITING_TOKENS) for _ in range(WAITING)]
-            await until("num_requests_waiting", WAITING)
-            interactive = await first_token_at(client, gw.url, "planner", INTERACTIVE_TOKENS)
-            await asyncio.gather(*running)
-            return list(await asyncio.gather(*waiting)), interactive
+            try:
+                for _ in range(RUNNING):
+                    send("articles", BATCH_TOKENS)
+                await until("num_requests_running", RUNNING, tasks)
+                waiting = [send("articles", BATCH_TOKENS) for _ in range(WAITING)]
+                await until("num_requests_waiting", WAITING, tasks)
+                interactive = send("planner", INTERACTIVE_TOKENS)
+                await until("num_requests_waiting", WAITING + 1, tasks)
+                tasks[0].cancel()  # a running stream leaves: its slot is the only one that frees
+                watching = [asyncio.create_task(first.wait()) for first in [interactive, *waiting]]
+                started, _ = await asyncio.wait(watching, timeout=300, return_when=asyncio.FIRST_COMPLETED)
+                assert started, "nothing waiting started once a slot was free"
+                return interactive.is_set(), [first.is_set() for first in waiting]
+            finally:
+                for task in [*tasks, *watching]:
+                    task.cancel()
+                await asyncio.gather(*tasks, *watching, return_exceptions=True)
 
-    waiting, interactive = asyncio.run(scenario())
-    passed = sum(1 for t in waiting if t > interactive)
-    # First come first served, the interactive request (sent last) would start after every waiting one.
-    assert passed >= WAITING // 2, (passed, sorted(waiting), interactive)
+    interactive_started, batch_started = asyncio.run(scenario())
+    # First come first served, the slot would go to the first waiting batch request (sent earlier).
+    assert interactive_started and not any(batch_started), (interactive_started, batch_started)
 
 
 def test_a_non_zero_priority_is_accepted_only_because_the_profile_schedules_by_priority(priority_engine):

@@ -40,7 +40,7 @@ import yaml
 
 from server.gateway.settings import GatewaySettings
 from tests.engine_process import running_engine
-from tests.gateway.flow.two_tenants import KEYS, PROFILE, two_tenants
+from tests.gateway.flow.two_tenants import KEYS, PROFILE, metric_sum, two_tenants
 
 pytestmark = [pytest.mark.engine, pytest.mark.one_process("one engine, one gateway worker: the order is the engine's")]
 
@@ -91,13 +91,6 @@ def blocks(tokens: int) -> int:
 def preemptions(engine_url: str) -> float:
     """The sum of vLLM's per-request preemption histogram (observed as each request finishes)."""
     return metric_sum(httpx.get(f"{engine_url}/metrics", timeout=60).text, "vllm:request_num_preemptions_sum")
-
-
-def metric_sum(text: str, name: str) -> float:
-    """The sum of every series of `name` in a /metrics text (vLLM labels each by model and engine)."""
-    return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.split("{", 1)[0].split(" ", 1)[0] == name
-    )
 
 
 class Stream:

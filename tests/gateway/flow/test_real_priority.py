@@ -18,7 +18,7 @@ import pytest
 
 from server.gateway.settings import GatewaySettings
 from tests.engine_process import running_engine
-from tests.gateway.flow.two_tenants import KEYS, PROFILE, two_tenants
+from tests.gateway.flow.two_tenants import KEYS, PROFILE, metric_sum, two_tenants
 
 pytestmark = [pytest.mark.engine, pytest.mark.one_process("one engine, one gateway worker: the order is the engine's")]
 
@@ -78,11 +78,7 @@ def test_the_class_reaches_vllm_as_priority_and_vllm_runs_interactive_before_wai
     gw = gateway(settings(priority_engine.url))
 
     def engine_gauge(name: str) -> float:
-        text = httpx.get(f"{priority_engine.url}/metrics", timeout=10).text
-        for line in text.splitlines():
-            if line.startswith(f"vllm:{name}{{"):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
+        return metric_sum(httpx.get(f"{priority_engine.url}/metrics", timeout=10).text, f"vllm:{name}")
 
     async def until(name: str, count: int, tasks: list[asyncio.Task[None]]) -> None:
         deadline = time.monotonic() + 300

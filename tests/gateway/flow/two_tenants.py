@@ -1,5 +1,6 @@
 """The gateway both real-vLLM flow tests put in front of one tiny-cpu-priority engine: two tenants,
-the planner (interactive) and the articles (batch), each with its key."""
+the planner (interactive) and the articles (batch), each with its key; and how both read the
+engine's /metrics."""
 
 from __future__ import annotations
 
@@ -23,4 +24,11 @@ def two_tenants(url: str, **extra: Any) -> GatewaySettings:
             ],
             **extra,
         }
+    )
+
+
+def metric_sum(text: str, name: str) -> float:
+    """The sum of every series of `name` in a /metrics text (vLLM labels each by model and engine)."""
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.split("{", 1)[0].split(" ", 1)[0] == name
     )

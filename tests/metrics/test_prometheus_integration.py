@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 
 import openai
 import pytest
@@ -19,8 +20,6 @@ from tests.support import serve_in_thread
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.engine]
 
-# Grafana's variables, as Grafana would fill them in: all models, and a window that covers the
-# whole test (Prometheus scrapes every second).
 # Series this test's traffic cannot create, each with why and where it is checked instead.
 NO_DATA_HERE = {
     "gateway_flow_shed_total": "a shed needs full engines and a queue past its bounds "
@@ -28,12 +27,14 @@ NO_DATA_HERE = {
 }
 PLANNER_KEY = "sk-dashboard-planner"
 LIMITED_KEY = "sk-dashboard-limited"
-GRAFANA_VARIABLES = {"$model": ".*", "$tenant": ".*", "$__rate_interval": "1m"}
 COMPARISON = re.compile(r"\s*(==|!=|>=|<=|>|<)\s*[-+0-9.eE]+\s*$")
 
 
-def grafana_expr(expr: str) -> str:
-    for name, value in GRAFANA_VARIABLES.items():
+def grafana_expr(expr: str, window_s: float) -> str:
+    """`expr` with Grafana's variables filled in as Grafana would: all models and tenants, and a rate
+    window of `window_s` (the test's whole traffic, so a slow machine cannot push a request out of it)."""
+    variables = {"$model": ".*", "$tenant": ".*", "$__rate_interval": f"{math.ceil(window_s)}s"}
+    for name, value in variables.items():
         expr = expr.replace(name, value)
     assert "$" not in expr, f"unfilled variable in {expr}"
     return expr
@@ -72,12 +73,15 @@ def test_every_dashboard_query_and_alert_expression_returns_data(real_engine):
         openai.OpenAI(base_url=gateway + "/v1", api_key=PLANNER_KEY, max_retries=0, timeout=60) as client,
         openai.OpenAI(base_url=gateway + "/v1", api_key=LIMITED_KEY, max_retries=0, timeout=60) as limited,
     ):
+        started = time.monotonic()
 
         def send(stream: bool, i: int) -> None:
             request = dict(
                 model=model,
                 messages=[{"role": "user", "content": f"Tell me about trains, part {i}."}],
-                max_tokens=8,
+                # Streams long enough that a busy relay, which may read several events at once,
+                # still sees gaps between content chunks (the inter-token latency panels).
+                max_tokens=24 if stream else 8,
             )
             if stream:
                 chunks = list(
@@ -112,6 +116,9 @@ def test_every_dashboard_query_and_alert_expression_returns_data(real_engine):
         plain = prom.query('sum(gateway_request_duration_seconds_count{stream="false"})')
         assert total(plain) == 5  # and the limited tenant's two (its 200 and its 429)
         assert model in prom.label_values("model", "gateway_requests_total")
+        assert total(prom.query("sum(gateway_inter_token_latency_seconds_count)")) > 0, "no gap between chunks"
+
+        window_s = time.monotonic() - started + 30
 
         empty = []
         for where, title, expr in dashboard_queries():
@@ -119,7 +126,7 @@ def test_every_dashboard_query_and_alert_expression_returns_data(real_engine):
                 continue  # checked above through the label values API
             if any(name in expr for name in NO_DATA_HERE):
                 continue
-            result = prom.query(grafana_expr(expr))
+            result = prom.query(grafana_expr(expr, window_s))
             values = [float(r["value"][1]) for r in result]
             if not any(math.isfinite(v) for v in values):
                 empty.append(f"{where}: {title}: {expr} -> {result}")

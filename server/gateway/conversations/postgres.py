@@ -2,13 +2,18 @@
 
 Connections come from an `AsyncConnectionPool` opened at start-up (a database that cannot be
 reached then refuses the start, with the reason); a call that finds it down later raises
-`StoreUnavailable` (503). Migrations run under a transaction-scoped advisory lock, so replicas
+`StoreUnavailable` (503). Such a call waits the pool's `CONNECT_TIMEOUT` for a connection. Once one
+has waited it out while the pool failed to connect (not merely had every connection busy), the
+calls after it wait `UNREACHABLE_TIMEOUT` only, until one succeeds: while the database is down,
+each stateful request gets its 503 within about a second instead of ten, and the pool keeps
+reconnecting in the background. Migrations run under a transaction-scoped advisory lock, so replicas
 that start together migrate once. Every statement takes parameters; none is built from values.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
@@ -21,6 +26,9 @@ from server.gateway.conversations.store import MAX_CHAIN
 
 MIGRATION_LOCK = 0x7265737073  # pg_advisory_xact_lock key of the schema migrations ("resps")
 CONNECT_TIMEOUT = 10.0
+UNREACHABLE_TIMEOUT = 1.0  # seconds a call waits for a connection while the database is known unreachable
+T = TypeVar("T")
+Cursor = psycopg.AsyncCursor[Any]
 
 _SAVE = (
     f"INSERT INTO responses ({COLUMNS}) VALUES "
@@ -58,7 +66,7 @@ def _redacted(url: str) -> str:
 class PostgresStore:
     """Stored responses in one PostgreSQL database (see the module doc)."""
 
-    def __init__(self, url: str, *, max_size: int = 10) -> None:
+    def __init__(self, url: str, *, max_size: int = 10, timeout: float = CONNECT_TIMEOUT) -> None:
         self.description = _redacted(url)
         self._url = url
         self._pool = AsyncConnectionPool(
@@ -66,10 +74,12 @@ class PostgresStore:
             min_size=1,
             max_size=max_size,
             open=False,
-            timeout=CONNECT_TIMEOUT,
+            timeout=timeout,
             kwargs={"autocommit": True, "connect_timeout": int(CONNECT_TIMEOUT)},
             check=AsyncConnectionPool.check_connection,
         )
+        self.unreachable = False  # a call waited out the pool while it failed to connect (see the module doc)
+        self._errors_at_success = 0  # the pool's failed connection attempts as of the last call that succeeded
 
     def _failed(self, exc: Exception) -> StoreUnavailable:
         return StoreUnavailable(f"The response store ({self.description}) failed: {str(exc).strip()[:300]}")
@@ -102,56 +112,62 @@ class PostgresStore:
             reason = str(exc).strip().replace(self._url, self.description)[:500]
             raise StoreUnavailable(f"The response store ({self.description}) cannot be opened: {reason}") from None
 
-    async def _execute(self, query: str, params: dict[str, Any]) -> psycopg.AsyncCursor[Any]:
-        async with self._pool.connection() as db:
-            return await db.execute(query, params)
+    async def _run(self, query: str, params: dict[str, Any], read: Callable[[Cursor], Awaitable[T]]) -> T:
+        """One statement on a connection of the pool, and `read(cursor)`; StoreUnavailable when the
+        database cannot be reached or fails the statement (the waits: the module doc)."""
+        pool = self._pool
+        try:
+            async with pool.connection(UNREACHABLE_TIMEOUT if self.unreachable else None) as db:
+                out = await read(await db.execute(query, params))
+        except PoolTimeout as exc:
+            # Waited out: unreachable if the pool failed to connect since the last success, else
+            # every connection was busy (load, not an outage: the next call waits as long).
+            self.unreachable = pool.get_stats().get("connections_errors", 0) > self._errors_at_success
+            raise self._failed(exc) from None
+        except psycopg.OperationalError as exc:  # (the connection broke under the statement)
+            self.unreachable = True
+            raise self._failed(exc) from None
+        except psycopg.Error as exc:
+            raise self._failed(exc) from None
+        self.unreachable = False
+        self._errors_at_success = pool.get_stats().get("connections_errors", 0)  # (a dict of counters: microseconds)
+        return out
 
     async def check(self) -> None:
-        try:
-            await self._execute("SELECT 1", {})
-        except (psycopg.Error, PoolTimeout) as exc:
-            raise self._failed(exc) from None
+        await self._run("SELECT 1", {}, _nothing)
 
     async def save(self, response: StoredResponse) -> None:
-        try:
-            await self._execute(_SAVE, to_row(response))
-        except (psycopg.Error, PoolTimeout) as exc:
-            raise self._failed(exc) from None
+        await self._run(_SAVE, to_row(response), _nothing)
 
     async def get(self, tenant: str, response_id: str, now: float) -> StoredResponse | None:
-        try:
-            async with self._pool.connection() as db:
-                cursor = await db.execute(_GET, {"tenant": tenant, "id": response_id, "now": now})
-                row = await cursor.fetchone()
-        except (psycopg.Error, PoolTimeout) as exc:
-            raise self._failed(exc) from None
+        row = await self._run(_GET, {"tenant": tenant, "id": response_id, "now": now}, _one)
         return from_row(row) if row is not None else None
 
     async def chain(self, tenant: str, response_id: str, now: float) -> list[StoredResponse]:
         params = {"tenant": tenant, "id": response_id, "now": now, "limit": MAX_CHAIN}
-        try:
-            async with self._pool.connection() as db:
-                cursor = await db.execute(_CHAIN, params)
-                rows = await cursor.fetchall()
-        except (psycopg.Error, PoolTimeout) as exc:
-            raise self._failed(exc) from None
-        return [from_row(row) for row in rows]
+        return [from_row(row) for row in await self._run(_CHAIN, params, _all)]
 
     async def delete(self, tenant: str, response_id: str) -> bool:
-        try:
-            async with self._pool.connection() as db:
-                cursor = await db.execute(_DELETE, {"tenant": tenant, "id": response_id})
-                return cursor.rowcount > 0
-        except (psycopg.Error, PoolTimeout) as exc:
-            raise self._failed(exc) from None
+        return await self._run(_DELETE, {"tenant": tenant, "id": response_id}, _rowcount) > 0
 
     async def purge(self, now: float) -> int:
-        try:
-            async with self._pool.connection() as db:
-                cursor = await db.execute(_PURGE, {"now": now})
-                return cursor.rowcount
-        except (psycopg.Error, PoolTimeout) as exc:
-            raise self._failed(exc) from None
+        return await self._run(_PURGE, {"now": now}, _rowcount)
 
     async def close(self) -> None:
         await self._pool.close()
+
+
+async def _nothing(cursor: Cursor) -> None:
+    return None
+
+
+async def _one(cursor: Cursor) -> Any:
+    return await cursor.fetchone()
+
+
+async def _all(cursor: Cursor) -> list[Any]:
+    return await cursor.fetchall()
+
+
+async def _rowcount(cursor: Cursor) -> int:
+    return cursor.rowcount

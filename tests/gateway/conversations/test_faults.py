@@ -10,12 +10,15 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from server.deploy.plan import plan_deployment
+from server.gateway.conversations.errors import StoreUnavailable
+from server.gateway.conversations.postgres import PostgresStore
 from standin.surface import SurfaceStandin
 from tests.gateway.conftest import ROOT, fast_settings, served_gateway
 from tests.gateway.conversations.postgres_server import binaries, postgres_server
@@ -65,6 +68,9 @@ def test_a_database_gone_mid_run_is_503_for_stateful_requests_only_and_then_back
         with served_gateway(settings, models, 1, tmp_path, environ={"GATEWAY_DATABASE_URL": server.url}) as gw:
             first = httpx.post(f"{gw.url}/v1/responses", json={"model": "standin", "input": "hi"}, timeout=60)
             assert first.status_code == 200, first.text
+            stored = f"{gw.url}/v1/responses/{first.json()['id']}"
+            # Stored once the answer went out (conversations.answer): retrievable before the database goes.
+            wait_for(lambda: httpx.get(stored, timeout=60).status_code == 200, timeout=60, what="the first response")
             server.stop()
             for method, path, body in (
                 ("POST", "/v1/responses", {"model": "standin", "input": "again"}),
@@ -95,6 +101,41 @@ def test_a_database_gone_mid_run_is_503_for_stateful_requests_only_and_then_back
                 return answer.status_code == 200
 
             wait_for(back, timeout=120, interval=0.5, what="the stored response once the database is back")
+
+
+async def test_a_store_that_found_the_database_gone_waits_briefly_for_it_until_a_call_succeeds(tmp_path):
+    """The state behind the 503s above: a call that waited out a busy pool leaves the store as it
+    was; the first call that waits it out while the database is gone marks the store unreachable
+    (the calls after it wait `UNREACHABLE_TIMEOUT` for a connection, not the pool's timeout), and
+    the first call that succeeds once the database is back clears it. No time is asserted."""
+    if binaries() is None:
+        pytest.skip("PostgreSQL is not installed (/usr/lib/postgresql/*/bin)")
+    with postgres_server(tmp_path / "pg") as server:
+        store = PostgresStore(server.url, max_size=1, timeout=2.0)  # (its first wait: 2 s, not 10)
+        await store.open()
+        try:
+            await store.check()
+            async with store._pool.connection():  # its one connection busy: load, not an outage
+                with pytest.raises(StoreUnavailable):
+                    await store.check()
+            assert not store.unreachable
+            server.stop()
+            for _ in range(3):
+                with pytest.raises(StoreUnavailable):
+                    await store.get("t", "resp_x", time.time())
+                assert store.unreachable
+            server.start_again()
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    assert await store.get("t", "resp_x", time.time()) is None
+                    break
+                except StoreUnavailable:
+                    assert time.monotonic() < deadline, "the store never reached the database again"
+                    await asyncio.sleep(0.5)
+            assert not store.unreachable
+        finally:
+            await store.close()
 
 
 async def _conversation(client: httpx.AsyncClient, index: int) -> list[str]:

@@ -19,11 +19,12 @@ puts each preempted batch request back at the head of the queue, and the interac
 waits behind them.
 
 What this shows: vLLM's `priority` comes from the tenant's class through the gate, the engine
-preempted (its `vllm:request_num_preemptions` histogram), and the interactive answer came while
-every batch stream was still writing. Nothing is timed: each step waits for what the streams
-report or the engine's queue shows (a batch request waiting: preempted), bounded by a generous
-deadline. (The gate's own rule for a full cache, counting only the lowest class in flight, is a
-unit test: the cache is full here for tens of steps only.)
+preempted (a batch request, after it had written tokens, back in vLLM's waiting queue), and the
+interactive answer came while every batch stream was still writing (then the test leaves them).
+Nothing is timed: each step waits for what the streams report or the engine's queue shows (a
+batch request waiting: preempted), bounded by a generous deadline. (The gate's own rule for a
+full cache, counting only the lowest class in flight, is a unit test: the cache is full here for
+tens of steps only.)
 """
 
 from __future__ import annotations
@@ -88,11 +89,6 @@ def blocks(tokens: int) -> int:
     return -(-tokens // BLOCK)
 
 
-def preemptions(engine_url: str) -> float:
-    """The sum of vLLM's per-request preemption histogram (observed as each request finishes)."""
-    return metric_sum(httpx.get(f"{engine_url}/metrics", timeout=60).text, "vllm:request_num_preemptions_sum")
-
-
 class Stream:
     """One streamed completion: the tokens it has written so far, and when it ended."""
 
@@ -144,7 +140,6 @@ def test_an_interactive_request_beside_a_full_cache_of_batch_is_answered_before_
     small_cache_engine, gateway
 ):
     gw = gateway(settings(small_cache_engine.url))
-    before = preemptions(small_cache_engine.url)
 
     async def scenario() -> tuple[list[Stream], Stream]:
         async with httpx.AsyncClient(timeout=DEADLINE) as client:
@@ -167,15 +162,25 @@ def test_an_interactive_request_beside_a_full_cache_of_batch_is_answered_before_
             interactive = Stream()
             prompt = [(7 * i) % 500 + 10 for i in range(INTERACTIVE_PROMPT)]  # in the tiny vocabulary (554)
             await complete(client, gw.url, "planner", prompt, 4, interactive)
-            await asyncio.gather(*tasks)
-            return batch, interactive
+            # Answered while every batch stream was still writing: it did not wait for a batch
+            # answer. Then the batch streams are left (the gateway aborts them at the engine):
+            # their thousands of tokens still to write, preempted and recomputed, would take a
+            # busy machine a minute more and show nothing more.
+            writing = [s.done is None and s.written > 0 for s in batch]
+            # The engine preempted: with every batch request started (each has written tokens), one
+            # is back in its queue. (vLLM counts a preemption in its metrics only once that request
+            # runs again: after a batch answer ends, the tail this test leaves.)
+            queued = asyncio.create_task(engine_queues(client, small_cache_engine.url))
+            ended = asyncio.gather(*tasks)
+            await asyncio.wait([queued, ended], timeout=DEADLINE, return_when=asyncio.FIRST_COMPLETED)
+            preempted = queued.done() and queued.exception() is None
+            for task in (queued, ended, *tasks):
+                task.cancel()
+            await asyncio.gather(queued, ended, return_exceptions=True)
+            return batch, interactive, writing, preempted
 
-    batch, interactive = asyncio.run(scenario())
+    batch, interactive, writing, preempted = asyncio.run(scenario())
     assert interactive.status == 200 and interactive.tokens == 4, interactive
-    assert all(s.status == 200 and s.tokens == BATCH_TOKENS for s in batch), batch
-    assert interactive.done is not None and all(s.done is not None for s in batch)
-    # Answered while every batch stream was still writing: it did not wait for a batch answer.
-    assert interactive.done < min(s.done for s in batch if s.done is not None)
-    # The engine preempted (vLLM records each finished request's preemptions): the batch cannot all
-    # fit beside it. The sum is read after every request has finished.
-    assert preemptions(small_cache_engine.url) - before >= 1
+    assert all(s.status == 200 for s in batch), batch
+    assert all(writing), ("a batch answer ended before the interactive one", batch)
+    assert preempted, ("no batch request went back to the engine's queue", batch)

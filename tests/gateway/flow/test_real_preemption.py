@@ -141,7 +141,7 @@ def test_an_interactive_request_beside_a_full_cache_of_batch_is_answered_before_
 ):
     gw = gateway(settings(small_cache_engine.url))
 
-    async def scenario() -> tuple[list[Stream], Stream]:
+    async def scenario() -> tuple[list[Stream], Stream, list[bool], bool]:
         async with httpx.AsyncClient(timeout=DEADLINE) as client:
             batch = [Stream() for _ in range(BATCH)]
             tasks = [

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -250,11 +251,16 @@ async def chapter(gateway: str, engine: str, args: Any, run: int) -> dict[str, A
                         planner(client, url, "planner" if via_gateway else None, args, t0),
                     )
                 )
-            results = await asyncio.gather(*jobs)
+            stalls = StallWatch(client, gateway, engine, t0)
+            await stalls.start()
+            try:
+                results = await asyncio.gather(*jobs)
+            finally:
+                seen = await stalls.stop()
             articles = results[0] if with_batch else []
             turns = results[-1] if with_planner else []
             figures = phase_figures(turns, articles)
-            out[phase] = {"figures": figures, "requests": [*articles, *turns], "started": started}
+            out[phase] = {"figures": figures, "requests": [*articles, *turns], "started": started, "stalls": seen}
             print(f"run {run} chapter {phase}: {json.dumps(figures)}", flush=True)
             await asyncio.sleep(2)
     a, b, d = (out[p]["figures"] for p in ("planner_alone", "batch_alone", "both_gateway"))
@@ -267,6 +273,96 @@ async def chapter(gateway: str, engine: str, args: Any, run: int) -> dict[str, A
     }
     print(f"run {run} chapter goals: {json.dumps(out['goals'])}", flush=True)
     return out
+
+
+# -- where a slow turn's time went -------------------------------------------------------------------
+
+STALL_S = 0.25  # a wait this long or longer is counted as a stall
+
+
+async def stalls_over(client: httpx.AsyncClient, url: str, name: str, le: str) -> float | None:
+    """How many observations of histogram `name` at `url` exceed the bucket `le` (summed over
+    label sets); None when the histogram or the page is missing."""
+    try:
+        text = (await client.get(f"{url}/metrics", timeout=30)).text
+    except httpx.HTTPError:
+        return None
+    total = within = 0.0
+    found = False
+    for line in text.splitlines():
+        if line.startswith(name + "_bucket{"):
+            labels, value = line.rsplit(" ", 1)
+            if 'le="+Inf"' in labels:
+                total += float(value)
+                found = True
+            elif f'le="{le}"' in labels:
+                within += float(value)
+    return total - within if found else None
+
+
+class StallWatch:
+    """What stalled during one phase, told apart by where: vLLM's engine process (its own
+    inter-token gaps, stamped in that process, over 0.3 s), vLLM's API server (an engine `/health`
+    probe every 0.1 s: its time is that process's event loop), the gateway's event loop (its
+    `gateway_event_loop_lag_seconds` over 0.25 s) and this load generator's own loop (the probe's
+    sleep, late). Counts are the phase's, from the histograms before and after it."""
+
+    GATEWAY = ("gateway_event_loop_lag_seconds", "0.25")
+    ENGINE = ("vllm:inter_token_latency_seconds", "0.3")
+
+    def __init__(self, client: httpx.AsyncClient, gateway: str, engine: str, t0: float) -> None:
+        self.client, self.gateway, self.engine, self.t0 = client, gateway, engine, t0
+        self.before: dict[str, float | None] = {}
+        self.health = {"worst_s": 0.0, "at_s": None, "probes": 0, "over": 0}
+        self.own = {"worst_late_s": 0.0, "at_s": None}
+        self._task: asyncio.Task[None] | None = None
+
+    async def counts(self) -> dict[str, float | None]:
+        return {
+            "gateway_loop": await stalls_over(self.client, self.gateway, *self.GATEWAY),
+            "engine_itl": await stalls_over(self.client, self.engine, *self.ENGINE),
+        }
+
+    async def start(self) -> None:
+        self.before = await self.counts()
+        self._task = asyncio.create_task(self._probe())
+
+    async def _probe(self) -> None:
+        while True:
+            sent = time.perf_counter()
+            try:
+                await self.client.get(f"{self.engine}/health", timeout=60)
+            except httpx.HTTPError:
+                pass
+            took = time.perf_counter() - sent
+            self.health["probes"] += 1
+            self.health["over"] += took >= STALL_S
+            if took > self.health["worst_s"]:
+                self.health.update(worst_s=took, at_s=sent - self.t0)
+            asked = time.perf_counter() + 0.1
+            await asyncio.sleep(0.1)
+            late = time.perf_counter() - asked
+            if late > self.own["worst_late_s"]:
+                self.own.update(worst_late_s=late, at_s=asked - self.t0)
+
+    async def stop(self) -> dict[str, Any]:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        after = await self.counts()
+        over = {
+            name: (after[name] - before)
+            if (before := self.before.get(name)) is not None and after[name] is not None
+            else None
+            for name in after
+        }
+        return {
+            "gateway_loop_lags_over_0.25s": over["gateway_loop"],
+            "engine_itl_gaps_over_0.3s": over["engine_itl"],
+            "engine_health": self.health,
+            "load_generator": self.own,
+        }
 
 
 def shares(results: list[dict], tenants: tuple[str, str], until: float) -> dict[str, Any]:
@@ -583,7 +679,8 @@ def keep_access_log(log: Path, out: Path) -> None:
     if not log.exists():
         print(f"no gateway log at {log}: access.jsonl not written", flush=True)
         return
-    lines = [line for line in log.read_text(errors="replace").splitlines() if '"logger":"gateway.access"' in line]
+    kept = ('"logger":"gateway.access"', '"logger":"gateway.loop"')  # each request, and each stall of its loop
+    lines = [line for line in log.read_text(errors="replace").splitlines() if any(k in line for k in kept)]
     out.write_text("".join(line + "\n" for line in lines))
     print(f"{len(lines)} access-log lines: {out}", flush=True)
 
@@ -618,7 +715,48 @@ def chapter_lines(chapters: list[dict[str, Any]]) -> list[str]:
     phases = ("planner_alone", "batch_alone", "both_direct", "both_gateway")
     failed = sum(c[p]["figures"]["failed"] for c in chapters for p in phases)
     lines += [row("failed requests (all phases, all runs)", str(failed)), "", "Every turn's TTFT (s):", ""]
-    return [*lines, *every_turn(chapters, ("planner_alone", "both_direct", "both_gateway")), ""]
+    lines += [*every_turn(chapters, ("planner_alone", "both_direct", "both_gateway")), ""]
+    return [*lines, *stall_lines(chapters)]
+
+
+def stall_lines(chapters: list[dict[str, Any]]) -> list[str]:
+    """Per run, with the planner beside the batch through the gateway: its worst turn, and what
+    stalled meanwhile and where (StallWatch)."""
+    runs = [(i, c["both_gateway"]) for i, c in enumerate(chapters) if "stalls" in c["both_gateway"]]
+    if not runs:
+        return []
+    lines = [
+        "Where a stall was, with the planner beside the batch through the gateway (StallWatch: vLLM's own "
+        "inter-token gaps over 0.3 s, the worst of an engine `/health` probe every 0.1 s, the gateway's "
+        "event-loop lags over 0.25 s, this load generator's own loop):",
+        "",
+        row(
+            "run",
+            "worst turn (s)",
+            "vLLM ITL gaps > 0.3 s",
+            "engine /health worst (s, at)",
+            "gateway loop lags > 0.25 s",
+            "load generator late (s, at)",
+        ),
+        row("---", "---", "---", "---", "---", "---"),
+    ]
+    for i, phase in runs:
+        st = phase["stalls"]
+        health, own = st["engine_health"], st["load_generator"]
+        worst = phase["figures"]["worst_turn_s"]
+        slow = max(phase["requests"], key=lambda r: r.get("ttft") or 0.0) if phase["requests"] else None
+        lines.append(
+            row(
+                str(i),
+                f"{worst:.3f}" + (f" (sent at {slow['sent']:.1f} s)" if slow else ""),
+                f"{st['engine_itl_gaps_over_0.3s']}",
+                f"{health['worst_s']:.3f} at {health['at_s'] or 0:.1f} s"
+                f" ({health['over']} of {health['probes']} over 0.25 s)",
+                f"{st['gateway_loop_lags_over_0.25s']}",
+                f"{own['worst_late_s']:.3f} at {own['at_s'] or 0:.1f} s",
+            )
+        )
+    return [*lines, ""]
 
 
 def every_turn(runs: list[dict[str, Any]], phases: tuple[str, ...]) -> list[str]:

@@ -30,6 +30,18 @@ def test_the_access_lines_are_kept_in_order_and_nothing_else(tmp_path):
     assert (tmp_path / "access.jsonl").read_text().splitlines() == access
 
 
+def test_the_gateways_event_loop_stalls_are_kept_beside_the_access_lines(tmp_path):
+    access = SAMPLE.read_text().splitlines()[:2]
+    stall = (
+        '{"ts":"2026-12-08T01:00:00.000Z","level":"warning","logger":"gateway.loop","msg":"the event loop ran '
+        '412 ms late: every stream of this process waited as long (no full garbage collection ran meanwhile)"}'
+    )
+    log = tmp_path / "gateway.log"
+    log.write_text("\n".join([access[0], stall, "INFO:     Started server process [123]", access[1]]) + "\n")
+    keep_access_log(log, tmp_path / "access.jsonl")
+    assert (tmp_path / "access.jsonl").read_text().splitlines() == [access[0], stall, access[1]]
+
+
 def test_no_gateway_log_writes_no_file(tmp_path):
     keep_access_log(tmp_path / "gateway.log", tmp_path / "access.jsonl")
     assert not (tmp_path / "access.jsonl").exists()

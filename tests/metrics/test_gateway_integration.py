@@ -197,3 +197,19 @@ def test_dead_engines_are_marked_down_without_slowing_requests(standin_url, hang
         for conn in held:
             conn.close()
         refused_sock.close()
+
+
+def test_a_running_gateway_exports_how_late_its_event_loop_runs(standin_url):
+    """The loop watch starts with the app: its lateness, one observation every 0.1 s, is on /metrics."""
+    app, _ = make_gateway(ModelEngines(name="standin", urls=[standin_url]))
+    with serve_in_thread(app) as url:
+
+        def observed() -> dict | None:
+            samples = gateway_samples(url)
+            return samples if get(samples, "gateway_event_loop_lag_seconds_count") >= 3 else None
+
+        got = wait_for(observed, what="three observations of the event loop's lag")
+    assert get(got, "gateway_event_loop_lag_seconds_bucket", le="+Inf") == get(
+        got, "gateway_event_loop_lag_seconds_count"
+    )
+    assert get(got, "gateway_event_loop_lag_seconds_sum") >= 0

@@ -31,6 +31,7 @@ from server.gateway.app.state import GatewayState
 from server.gateway.conversations.store import open_store
 from server.gateway.flow.gate import build_gate
 from server.gateway.observability.logs import log_request as default_log_request
+from server.gateway.observability.loop_watch import LoopWatch
 from server.gateway.observability.metrics import GatewayMetrics
 from server.gateway.observability.record import RequestReporter, TenantUsage
 from server.gateway.proxy.proxy import Proxy
@@ -161,6 +162,8 @@ def create_app(
     timeout = httpx.Timeout(settings.timeouts.first_byte, connect=settings.timeouts.connect)
     trimming = HistoryTrimming(lookup=make_lookup(upstreams, client, timeout), metrics=metrics)
 
+    loop_watch = LoopWatch(metrics.loop_lag)  # how late this process's loop runs: a stall every stream feels
+
     async def startup() -> None:
         if tenants is not None:
             await tenants.start(settings.quota_store, environ, metrics.registry)  # quota_store: redis, host file
@@ -169,6 +172,7 @@ def create_app(
         await scraper.start()
         await kv_events.start()
         await responses.start()  # the response store opens (refused with the reason if it cannot)
+        await loop_watch.start()  # last: a start-up that fails leaves nothing of it running
 
     async def shutdown() -> None:
         try:
@@ -185,6 +189,7 @@ def create_app(
             await ops_client.aclose()
             if owns_client:
                 await client.aclose()
+            await loop_watch.aclose()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -57,6 +57,9 @@ ITL_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
     0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
+# Seconds an event loop woke late: a healthy loop is under a millisecond; a few milliseconds is a
+# busy one; a quarter of a second and more is a stall every stream of the process felt.
+LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 # Seconds for a whole request: 50 ms (an error, a tiny completion) to 30 minutes (the gateway's
 # default total timeout).
 DURATION_BUCKETS = (
@@ -281,6 +284,13 @@ class GatewayMetrics:
         )
         self._by_reason: dict[tuple[str, str], Counter] = {}
         self._tenants = TenantCounters(reg)
+        self._loop_lag = Histogram(
+            "gateway_event_loop_lag_seconds",
+            "How late the gateway's event loop woke for a timer (every 0.1 s): a blocked loop delays "
+            "every stream of that process by as much (observability.loop_watch).",
+            buckets=LOOP_LAG_BUCKETS,
+            registry=reg,
+        )
 
     def _series(self, model: str) -> _ModelSeries:
         series = self._models.get(model)
@@ -373,6 +383,10 @@ class GatewayMetrics:
     def tenant_usage(self, tenant: str, model: str, status: int, prompt: int, cached: int, completion: int) -> None:
         """One request of `tenant` (a configured name: a bounded set) for `model` ended with `status`."""
         self._tenants.count(tenant, self._series(model).label, status, prompt, cached, completion)
+
+    def loop_lag(self, seconds: float) -> None:
+        """The event loop woke `seconds` later than its timer asked."""
+        _observe(self._loop_lag, seconds)
 
     def trimmed(self, model: str, messages: int, tokens: int) -> None:
         """History trimming dropped `messages` messages worth `tokens` prompt tokens."""

@@ -95,6 +95,14 @@ class Profile(BaseModel):
     # Publish KV-cache events (vLLM --kv-events-config, ZMQ) for the gateway's precise prefix
     # routing; the renderer gives each engine its own endpoint (server.engine.render).
     kv_events: bool = False
+    # The engine's CPU priority as Linux's nice value (0-19; higher yields sooner), set on the
+    # process the supervisor starts and on its session's scheduling group, and inherited by
+    # every process vLLM forks. For an engine whose model runs on the host's CPU beside the
+    # gateway: its workers' compute bursts otherwise hold both of a small host's cores for up
+    # to a second at a time, and every stream the gateway relays waits as long
+    # (docs/operate/flow-control.md, "Where the slow turns came from"). Engines started by
+    # `python -m server engine`/`run` only; compose and Helm set CPU shares themselves.
+    nice: int = Field(default=0, ge=0, le=19)
 
     # Set by load_profile: the file this came from (relative paths resolve against its folder).
     source: Path | None = Field(default=None, exclude=True)

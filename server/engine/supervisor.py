@@ -18,6 +18,7 @@ import signal
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -43,6 +44,30 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def yield_cpu(nice: int) -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Lower this process's CPU priority to `nice`, and its session's: the child has just
+    started a session (start_new_session), and where the kernel groups processes by session
+    (autogroup, on by default on desktop and many cloud kernels) a process's own nice only
+    orders it within that group, while the group's nice weighs it against the gateway's.
+    Raising either needs no privilege; where there is no autogroup, the file is absent."""
+    if nice <= 0:
+        return
+    os.nice(nice)
+    with contextlib.suppress(OSError):
+        with open("/proc/self/autogroup", "w") as group:
+            group.write(str(nice))
+
+
+def child_setup(nice: int) -> Callable[[], None]:
+    """What the engine's process runs before vLLM: die with the supervisor, yield the CPU."""
+
+    def setup() -> None:  # pragma: no cover - runs in the child between fork and exec
+        _die_with_parent()
+        yield_cpu(nice)
+
+    return setup
 
 
 # vLLM's own drain (0.32: `--shutdown-timeout`): on SIGTERM it lets in-flight requests finish for
@@ -110,7 +135,8 @@ class EngineSupervisor:
     async def _spawn(self) -> None:
         self._ready.clear()
         self._started_at = time.perf_counter()
-        log.info("[engine %s] starting: %s", self.name, render_shell(self.argv, self.profile.env))
+        nice = f" (at nice {self.profile.nice})" if self.profile.nice else ""
+        log.info("[engine %s] starting%s: %s", self.name, nice, render_shell(self.argv, self.profile.env))
         self._process = await asyncio.create_subprocess_exec(
             *self.argv,
             env=self.env,
@@ -118,7 +144,7 @@ class EngineSupervisor:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=child_setup(self.profile.nice),
         )
 
     async def _watch(self) -> None:

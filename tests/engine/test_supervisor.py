@@ -88,3 +88,23 @@ async def test_ready_timeout(tmp_path):
             await sup.wait_ready()
     await sup.stop(timeout=5)
     await async_wait_for(lambda: not any(alive(pid) for pid in child_pids(tmp_path)))
+
+
+def test_the_child_yields_the_cpu_at_the_profiles_nice_in_its_own_session():
+    import subprocess
+
+    from server.engine.supervisor import child_setup
+
+    probe = "import os, pathlib; g = pathlib.Path('/proc/self/autogroup'); print(os.nice(0), g.read_text().split()[-1] if g.exists() else '-')"
+    for nice, want in ((0, "0"), (10, "10")):
+        out = subprocess.run(
+            [sys.executable, "-c", probe],
+            start_new_session=True,
+            preexec_fn=child_setup(nice),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        assert out[0] == want
+        assert out[1] in (want, "-")  # "-": this kernel has no autogroup
+    assert os.nice(0) == 0  # this process is untouched

@@ -2,6 +2,7 @@
 stopping the whole process tree. The real engine is covered in test_engine_e2e.py."""
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import httpx
 import pytest
 
 from server.engine.profiles import load_profile, profiles_dir
-from server.engine.supervisor import EngineStartError, EngineSupervisor
+from server.engine.supervisor import EngineStartError, EngineSupervisor, child_setup
 from tests.support import async_wait_for, free_port, refusing_port
 
 
@@ -91,11 +92,10 @@ async def test_ready_timeout(tmp_path):
 
 
 def test_the_child_yields_the_cpu_at_the_profiles_nice_in_its_own_session():
-    import subprocess
-
-    from server.engine.supervisor import child_setup
-
-    probe = "import os, pathlib; g = pathlib.Path('/proc/self/autogroup'); print(os.nice(0), g.read_text().split()[-1] if g.exists() else '-')"
+    probe = (
+        "import os, pathlib; g = pathlib.Path('/proc/self/autogroup'); "
+        "print(os.nice(0), g.read_text().split()[-1] if g.exists() else '-')"
+    )
     for nice, want in ((0, "0"), (10, "10")):
         out = subprocess.run(
             [sys.executable, "-c", probe],

@@ -98,8 +98,8 @@ class Profile(BaseModel):
     # The engine's CPU priority as Linux's nice value (0-19; higher yields sooner), set on the
     # process the supervisor starts and on its session's scheduling group, and inherited by
     # every process vLLM forks. For an engine whose model runs on the host's CPU beside the
-    # gateway: its workers' compute bursts otherwise hold both of a small host's cores for up
-    # to a second at a time, and every stream the gateway relays waits as long
+    # gateway, whose compute bursts can hold a small host's cores for up to a second: at 10 the
+    # gateway's loop never stalled, but a lone client's turns got slower, so no profile sets it
     # (docs/operate/flow-control.md, "Where the slow turns came from"). Engines started by
     # `python -m server engine`/`run` only; compose and Helm set CPU shares themselves.
     nice: int = Field(default=0, ge=0, le=19)

@@ -146,28 +146,6 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def nice_of(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[16])
-
-
-def test_every_process_of_the_engine_runs_at_the_profiles_nice(real_engine):
-    """The CPU profile's `nice: 10` reaches vLLM's API server and every process it forks (engine
-    core, worker), and the session's scheduling group where the kernel has one."""
-    if real_engine.process is None:
-        pytest.skip("TEST_ENGINE_URL: this session did not start the engine")
-    assert real_engine.profile.nice == 10
-    supervisor = real_engine.process.pid
-    tree = wait_for(
-        lambda: found if len(found := descendants(supervisor)) >= 3 else None,
-        what="vLLM's API server, engine core and worker under the supervisor",
-    )
-    assert nice_of(supervisor) == 0  # the supervisor itself keeps the caller's priority
-    assert {pid: nice_of(pid) for pid in tree} == dict.fromkeys(tree, 10)
-    group = Path(f"/proc/{real_engine.engine_pid() or min(tree)}/autogroup")
-    if group.exists():
-        assert group.read_text().split()[-1] == "10", group.read_text()
-
-
 @pytest.mark.stops_engine
 def test_sigterm_stops_the_engine_and_every_child(real_engine):
     if real_engine.process is None:

@@ -24,7 +24,7 @@ def alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().split()[2] != "Z"
 
 
-def supervisor(tmp_path, *extra, max_restarts=3, ready_timeout=60.0):
+def supervisor(tmp_path, *extra, max_restarts=3, ready_timeout=60.0, nice=0):
     port = free_port()
     argv = [
         sys.executable,
@@ -36,7 +36,7 @@ def supervisor(tmp_path, *extra, max_restarts=3, ready_timeout=60.0):
         str(tmp_path / "children"),
         *extra,
     ]
-    profile = load_profile(profiles_dir() / "tiny-cpu.yaml")
+    profile = load_profile(profiles_dir() / "tiny-cpu.yaml").model_copy(update={"nice": nice})
     return EngineSupervisor(profile, port=port, argv=argv, max_restarts=max_restarts, ready_timeout=ready_timeout)
 
 
@@ -108,3 +108,23 @@ def test_the_child_yields_the_cpu_at_the_profiles_nice_in_its_own_session():
         assert out[0] == want
         assert out[1] in (want, "-")  # "-": this kernel has no autogroup
     assert os.nice(0) == 0  # this process is untouched
+
+
+def nice_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[16])
+
+
+async def test_a_profiles_nice_reaches_the_engine_and_what_it_forks_not_the_supervisor(tmp_path):
+    sup = supervisor(tmp_path, nice=7)
+    await sup.start()
+    try:
+        await sup.wait_ready()
+        leader, children = sup.pid, child_pids(tmp_path)
+        assert leader is not None and children
+        assert nice_of(leader) == 7 and [nice_of(pid) for pid in children] == [7] * len(children)
+        group = Path(f"/proc/{leader}/autogroup")
+        if group.exists():  # a kernel that groups processes by session: the engine's group yields too
+            assert group.read_text().split()[-1] == "7", group.read_text()
+        assert os.nice(0) == 0  # the supervisor's own process keeps its priority
+    finally:
+        await sup.stop(timeout=5)

@@ -284,20 +284,12 @@ async def stalls_over(client: httpx.AsyncClient, url: str, name: str, le: str) -
     """How many observations of histogram `name` at `url` exceed the bucket `le` (summed over
     label sets); None when the histogram or the page is missing."""
     try:
-        text = (await client.get(f"{url}/metrics", timeout=30)).text
+        buckets = await metric_values(client, url, name + "_bucket", timeout=30)
     except httpx.HTTPError:
         return None
-    total = within = 0.0
-    found = False
-    for line in text.splitlines():
-        if line.startswith(name + "_bucket{"):
-            labels, value = line.rsplit(" ", 1)
-            if 'le="+Inf"' in labels:
-                total += float(value)
-                found = True
-            elif f'le="{le}"' in labels:
-                within += float(value)
-    return total - within if found else None
+    total = [value for labels, value in buckets.items() if 'le="+Inf"' in labels]
+    within = sum(value for labels, value in buckets.items() if f'le="{le}"' in labels)
+    return sum(total) - within if total else None
 
 
 class StallWatch:
@@ -532,8 +524,11 @@ def common_system(text: str) -> dict[str, str]:
     return {"role": "system", "content": text}
 
 
-async def metric_values(client: httpx.AsyncClient, url: str, name: str) -> dict[str, float]:
-    text = (await client.get(f"{url}/metrics")).text
+async def metric_values(
+    client: httpx.AsyncClient, url: str, name: str, timeout: Any = httpx.USE_CLIENT_DEFAULT
+) -> dict[str, float]:
+    """Every sample of `name` on `url`'s /metrics page, by its labels (`{...}`)."""
+    text = (await client.get(f"{url}/metrics", timeout=timeout)).text
     out = {}
     for line in text.splitlines():
         if line.startswith(name + "{"):
